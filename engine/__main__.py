@@ -1,0 +1,76 @@
+"""Command line: `python -m engine models` lists known models; `python -m engine generate` runs greedy generation."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from . import available_models, load_runner
+from .errors import EngineError
+from .registry import DEFAULT_MODEL
+
+
+def _models(_: argparse.Namespace) -> int:
+    for m in available_models():
+        state = "installed" if m["installed"] else f"not installed ({m['install']})"
+        print(f"{m['name']:<16} {m['family']:<8} {state}  {m['description']}")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    runner = load_runner(args.model, device=args.device, dtype=args.dtype, max_context=args.max_context)
+    tok = runner.tokenizer
+    print(f"loaded {runner.name} ({runner.family}, {runner.dtype}, {runner.device}) "
+          f"in {time.perf_counter() - started:.2f}s", file=sys.stderr)
+    if args.chat is not None:
+        ids = tok.apply_chat_template([{"role": "user", "content": args.chat}], add_generation_prompt=True)
+    else:
+        ids = tok.encode(args.prompt)
+    detok = tok.detokenizer(skip_special_tokens=True)
+    t0 = time.perf_counter()
+    first: list[float] = []
+
+    def on_token(token: int) -> bool:
+        if not first:
+            first.append(time.perf_counter())
+        if token in tok.end_token_ids:
+            return False
+        sys.stdout.write(detok.push(token))
+        sys.stdout.flush()
+        return True
+
+    out = runner.generate(ids, args.max_tokens, on_token)
+    sys.stdout.write(detok.flush() + "\n")
+    elapsed = time.perf_counter() - t0
+    decode_s = elapsed - (first[0] - t0) if first else 0.0
+    rate = (len(out) - 1) / decode_s if len(out) > 1 and decode_s > 0 else 0.0
+    print(f"prompt {len(ids)} tokens, generated {len(out)} tokens in {elapsed:.2f}s "
+          f"(first token {1000 * (first[0] - t0) if first else 0:.0f} ms, {rate:.1f} tokens/s)", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="emberserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("models", help="list the known model names").set_defaults(func=_models)
+    gen = sub.add_parser("generate", help="greedy generation from the command line")
+    gen.add_argument("--model", default=DEFAULT_MODEL, help="known model name, .gguf file or safetensors directory")
+    text = gen.add_mutually_exclusive_group(required=True)
+    text.add_argument("--prompt", help="raw text prompt")
+    text.add_argument("--chat", help="a user message, wrapped in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--device", default="cpu")
+    gen.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: float32 on CPU)")
+    gen.add_argument("--max-context", type=int, default=None)
+    gen.set_defaults(func=_generate)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (EngineError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""`ModelConfig`: one description of a decoder for every family, from GGUF metadata or a Hugging Face config.json."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import UnsupportedModelError
+
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
+_HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3", "gemma3": "gemma3"}
+GEMMA3_GLOBAL_EVERY = 6
+GEMMA3_LOCAL_ROPE_THETA = 10_000.0
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding of one attention kind: base, and an optional scaling (`llama3` or `linear`)."""
+
+    theta: float
+    scaling: dict[str, Any] | None = None
+
+
+@dataclass
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_eps: float
+    max_position: int
+    rope: RopeConfig
+    tie_embeddings: bool = True
+    attention_bias: bool = False
+    qk_norm: bool = False
+    hidden_act: str = "silu"
+    embed_scale: float = 1.0
+    query_scale: float = 0.0
+    sandwich_norms: bool = False  # gemma: extra norms after attention and after the MLP
+    sliding_window: int | None = None
+    layer_is_sliding: list[bool] = field(default_factory=list)
+    local_rope: RopeConfig | None = None
+    final_logit_softcap: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise UnsupportedModelError(f"unsupported architecture {self.family!r}; supported: {', '.join(FAMILIES)}")
+        if not self.query_scale:
+            self.query_scale = 1.0 / math.sqrt(self.head_dim)
+        if not self.layer_is_sliding:
+            self.layer_is_sliding = [False] * self.num_layers
+
+    def rope_for_layer(self, layer: int) -> RopeConfig:
+        return self.local_rope if self.layer_is_sliding[layer] and self.local_rope else self.rope
+
+
+def _gemma3_layer_pattern(num_layers: int) -> list[bool]:
+    return [(i + 1) % GEMMA3_GLOBAL_EVERY != 0 for i in range(num_layers)]
+
+
+def config_from_gguf(meta: dict[str, Any], has_output_tensor: bool) -> ModelConfig:
+    """Build the config from GGUF metadata; fields the file does not carry take the family defaults."""
+    arch = str(meta.get("general.architecture", ""))
+    if arch not in FAMILIES:
+        raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(FAMILIES)}")
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    kv_heads = get("attention.head_count_kv", heads)
+    head_dim = int(get("attention.key_length", hidden // heads))
+    vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
+    num_layers = int(get("block_count"))
+    common = dict(
+        vocab_size=int(vocab), hidden_size=hidden, intermediate_size=int(get("feed_forward_length")),
+        num_layers=num_layers, num_heads=heads, num_kv_heads=int(kv_heads), head_dim=head_dim,
+        rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)), max_position=int(get("context_length", 4096)),
+        tie_embeddings=not has_output_tensor,
+    )
+    scaling = None
+    if get("rope.scaling.type") == "linear" and get("rope.scaling.factor"):
+        scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    if arch == "gemma3":
+        return ModelConfig(
+            family="gemma3", **common, rope=RopeConfig(float(get("rope.freq_base", 1_000_000.0)), scaling),
+            local_rope=RopeConfig(GEMMA3_LOCAL_ROPE_THETA), qk_norm=True, hidden_act="gelu_tanh",
+            embed_scale=math.sqrt(hidden), query_scale=1.0 / math.sqrt(head_dim), sandwich_norms=True,
+            sliding_window=int(get("attention.sliding_window", 512)), layer_is_sliding=_gemma3_layer_pattern(num_layers),
+        )
+    # llama3 frequency scaling travels as the `rope_freqs.weight` tensor in GGUF, applied by the weight loader.
+    return ModelConfig(
+        family=arch, **common, rope=RopeConfig(float(get("rope.freq_base", 10_000.0)), scaling),
+        attention_bias=arch == "qwen2", qk_norm=arch == "qwen3",
+    )
+
+
+def _hf_rope(cfg: dict[str, Any], kind: str | None, default_theta: float) -> RopeConfig:
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and kind and kind in params:
+        params = params[kind]
+    if isinstance(params, dict) and "rope_theta" in params:
+        theta, scaling = float(params["rope_theta"]), params
+    else:
+        theta, scaling = float(cfg.get("rope_theta", default_theta)), cfg.get("rope_scaling")
+    if scaling is not None:
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type == "default":
+            scaling = None
+        elif rope_type not in ("llama3", "linear"):
+            raise UnsupportedModelError(f"unsupported rope scaling {rope_type!r}")
+        else:
+            scaling = {k: v for k, v in scaling.items() if k != "rope_theta"} | {"rope_type": rope_type}
+    return RopeConfig(theta, scaling)
+
+
+def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+    """Build the config from a Hugging Face `config.json` dictionary."""
+    if cfg.get("model_type") == "gemma3" and "text_config" in cfg:
+        cfg = {**cfg["text_config"], "model_type": "gemma3_text"}
+    model_type = cfg.get("model_type", "")
+    family = _HF_MODEL_TYPES.get(model_type)
+    if family is None:
+        raise UnsupportedModelError(
+            f"unsupported model_type {model_type!r} in config.json; supported: {', '.join(_HF_MODEL_TYPES)}")
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    num_layers = int(cfg["num_hidden_layers"])
+    common = dict(
+        vocab_size=int(cfg["vocab_size"]), hidden_size=hidden, intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=num_layers, num_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=head_dim, rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position=int(cfg.get("max_position_embeddings", 4096)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", family == "gemma3")),
+    )
+    if family == "gemma3":
+        layer_types = cfg.get("layer_types")
+        sliding = ([t == "sliding_attention" for t in layer_types] if layer_types
+                   else [(i + 1) % int(cfg.get("sliding_window_pattern", GEMMA3_GLOBAL_EVERY)) != 0
+                         for i in range(num_layers)])
+        return ModelConfig(
+            family="gemma3", **common, rope=_hf_rope(cfg, "full_attention", 1_000_000.0),
+            local_rope=RopeConfig(float(cfg.get("rope_local_base_freq", GEMMA3_LOCAL_ROPE_THETA)))
+            if "rope_parameters" not in cfg else _hf_rope(cfg, "sliding_attention", GEMMA3_LOCAL_ROPE_THETA),
+            qk_norm=True, hidden_act="gelu_tanh", embed_scale=math.sqrt(hidden),
+            query_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5, sandwich_norms=True,
+            sliding_window=int(cfg.get("sliding_window") or 512), layer_is_sliding=sliding,
+            final_logit_softcap=cfg.get("final_logit_softcapping"),
+        )
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"unsupported hidden_act {cfg.get('hidden_act')!r} for {family}")
+    return ModelConfig(
+        family=family, **common, rope=_hf_rope(cfg, None, 10_000.0),
+        attention_bias=bool(cfg.get("attention_bias", family == "qwen2")), qk_norm=family == "qwen3",
+    )

@@ -1,0 +1,21 @@
+"""Errors the engine raises with a message meant for the user."""
+
+
+class EngineError(Exception):
+    """Base of every error the engine reports to its caller."""
+
+
+class ModelFormatError(EngineError):
+    """A model file or directory is missing, truncated, or in a format we cannot read."""
+
+
+class UnsupportedModelError(EngineError):
+    """The model is readable but uses an architecture or tensor type the engine does not implement."""
+
+
+class ModelNotInstalledError(EngineError):
+    """A known model name whose package is not installed; the message says how to install it."""
+
+
+class ContextLengthError(EngineError, ValueError):
+    """A sequence would grow past the runner's context size."""

