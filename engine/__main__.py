@@ -50,9 +50,8 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="emberserve", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """The engine's `models` and `generate` subcommands, for this CLI and the server's."""
     sub.add_parser("models", help="list the known model names").set_defaults(func=_models)
     gen = sub.add_parser("generate", help="greedy generation from the command line")
     gen.add_argument("--model", default=DEFAULT_MODEL, help="known model name, .gguf file or safetensors directory")
@@ -64,12 +63,21 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: float32 on CPU)")
     gen.add_argument("--max-context", type=int, default=None)
     gen.set_defaults(func=_generate)
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run a parsed subcommand; engine errors become a one-line message and exit status 2."""
     try:
         return args.func(args)
     except (EngineError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

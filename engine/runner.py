@@ -114,6 +114,10 @@ class Runner:
         self.cache.import_slot(SESSION_SLOT, snapshot.kv, length)
         self.tokens = list(snapshot.tokens[:length])
 
+    def reset_session(self) -> None:
+        """Forget the current session; its cache slot is free for the next one."""
+        self.tokens = []
+
     def prefill_logits_reusing(self, ids: Sequence[int], snapshot: SessionSnapshot, reuse_len: int) -> torch.Tensor:
         """Like prefill_logits, but takes the first `reuse_len` tokens from the snapshot and computes only the rest."""
         ids = self._validate_ids(ids)

@@ -1,0 +1,81 @@
+"""The FastAPI application: load the model in the background, start its worker, install routes and error handlers."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from engine import load_runner
+
+from . import __version__
+from .errors import install_error_handlers
+from .routes import router
+from .serving import ModelState
+from .serving_chat import ChatServing
+from .serving_completions import CompletionServing
+from .settings import Settings
+from .worker import Worker
+
+log = logging.getLogger("emberserve")
+
+
+def _load(settings: Settings) -> ModelState:
+    started = time.perf_counter()
+    runner = load_runner(settings.model, device=settings.device, dtype=settings.dtype,
+                         max_context=settings.max_context)
+    model_id = settings.served_model_name or runner.name
+    worker = Worker(runner)
+    worker.start()
+    digest = hashlib.sha256(f"{__version__}:{model_id}:{runner.dtype}:{runner.device}".encode()).hexdigest()[:10]
+    log.info("loaded %s (%s, %s on %s, context %d) in %.1fs", model_id, runner.family,
+             str(runner.dtype).removeprefix("torch."), runner.device, runner.context_size,
+             time.perf_counter() - started)
+    return ModelState(model_id=model_id, runner=runner, worker=worker, fingerprint=f"fp_{digest}",
+                      created=int(time.time()))
+
+
+async def _load_in_background(app: FastAPI, settings: Settings) -> None:
+    try:
+        state = await asyncio.to_thread(_load, settings)
+    except Exception as e:  # a model that cannot load leaves nothing to serve: stop the server with the reason
+        log.error("cannot load model %r: %s", settings.model, e)
+        app.state.load_error = str(e)
+        app.state.request_shutdown()
+        return
+    app.state.model = state
+    app.state.chat = ChatServing(state)
+    app.state.completions = CompletionServing(state)
+    log.info("serving %s at http://%s:%d/v1", state.model_id, settings.host, settings.port)
+
+
+def create_app(settings: Settings) -> FastAPI:
+    """An app that answers /health with 503 while the model loads, then serves the OpenAI API."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loading = asyncio.create_task(_load_in_background(app, settings))
+        try:
+            yield
+        finally:
+            loading.cancel()
+            state: ModelState | None = app.state.model
+            if state is not None:
+                state.worker.stop()
+
+    app = FastAPI(title="emberserve", version=__version__, lifespan=lifespan,
+                  description="An OpenAI-compatible LLM inference server with its own torch engine.")
+    app.state.settings = settings
+    app.state.model = None
+    app.state.load_error = None
+    # The CLI replaces this with a graceful stop of its uvicorn server; embedded uses get a SIGTERM.
+    app.state.request_shutdown = lambda: os.kill(os.getpid(), signal.SIGTERM)
+    install_error_handlers(app)
+    app.include_router(router)
+    return app

@@ -1,0 +1,66 @@
+"""`emberserve serve | models | generate`: the command line (also `python -m server`)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from engine import KNOWN_MODELS, ModelFormatError, ModelNotInstalledError
+from engine.__main__ import add_commands, run
+
+from .app import create_app
+from .settings import DEFAULT_HOST, DEFAULT_PORT, Settings
+
+EXIT_LOAD_FAILED = 3
+
+
+def _serve(args: argparse.Namespace) -> int:
+    settings = Settings(model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
+                        max_context=args.max_context, served_model_name=args.served_model_name,
+                        log_level=args.log_level)
+    # Fail before binding the port when there is clearly nothing to load.
+    known = KNOWN_MODELS.get(settings.model)
+    try:
+        if known is not None:
+            known.path()
+        elif not Path(settings.model).exists():
+            raise ModelFormatError(f"model not found: {settings.model!r} is neither a known model name "
+                                   f"({', '.join(KNOWN_MODELS)}) nor an existing path")
+    except (ModelNotInstalledError, ModelFormatError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(settings)
+    print(f"emberserve: loading {settings.model}; will listen on http://{settings.host}:{settings.port}/v1",
+          flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level))
+    app.state.request_shutdown = lambda: setattr(server, "should_exit", True)
+    server.run()
+    if app.state.load_error:
+        print(f"error: cannot load model {settings.model!r}: {app.state.load_error}", file=sys.stderr)
+        return EXIT_LOAD_FAILED
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="emberserve", description="OpenAI-compatible LLM server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve a model over the OpenAI API")
+    serve.add_argument("--model", default=Settings.model, help="known model name, .gguf file or safetensors dir")
+    serve.add_argument("--host", default=DEFAULT_HOST)
+    serve.add_argument("--port", type=int, default=DEFAULT_PORT)
+    serve.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
+    serve.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: float32 on CPU)")
+    serve.add_argument("--max-context", type=int, default=None, help="cap the context below the model's")
+    serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: its name)")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(func=_serve)
+    add_commands(sub)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

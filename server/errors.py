@@ -1,0 +1,96 @@
+"""OpenAI-style errors: one exception type and the handlers that turn every failure into the error envelope."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("emberserve")
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    """A failure reported to the client as `{"error": {"message", "type", "param", "code"}}` with `status`."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """A 400 for a request value the server cannot honour."""
+    return APIError(400, message, param=param, code=code)
+
+
+def _param_from_loc(loc: tuple[Any, ...]) -> str | None:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
+    return ".".join(parts) or None
+
+
+def _error_param(errors: list[dict[str, Any]]) -> str | None:
+    """The field at fault: none for unparsable JSON; for a union's per-member errors, the field they share."""
+    if not errors or errors[0].get("type") == "json_invalid":
+        return None
+    locs = [tuple(e.get("loc", ())) for e in errors]
+    common = locs[0]
+    for loc in locs[1:]:
+        n = 0
+        while n < min(len(common), len(loc)) and common[n] == loc[n]:
+            n += 1
+        common = common[:n]
+    return _param_from_loc(common) or _param_from_loc(locs[0])
+
+
+def _validation_message(err: dict[str, Any]) -> str:
+    param = _param_from_loc(tuple(err.get("loc", ())))
+    msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+    if err.get("type") == "json_invalid":
+        return f"request body is not valid JSON: {err.get('ctx', {}).get('error', msg)}"
+    if tuple(err.get("loc", ())) == ("body",):  # no body, or JSON that is not an object
+        return "request body is empty: expected a JSON object" if err.get("type") == "missing" else \
+            f"request body must be a JSON object: {msg}"
+    return f"{param}: {msg}" if param else msg
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error path answers the OpenAI envelope; tracebacks go to the log, never to the client."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        message = "; ".join(_validation_message(e) for e in errors[:5]) or "invalid request"
+        return invalid(message, param=_error_param(errors)).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code in (404, 405):
+            what = "not found" if exc.status_code == 404 else "method not allowed"
+            message = f"{request.method} {request.url.path}: {what}"
+        else:
+            message = str(exc.detail)
+        return APIError(exc.status_code, message, headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return APIError(500, "internal server error", type="server_error").response()

@@ -1,0 +1,81 @@
+"""`Generation`: one request as the worker sees it, and the events it sends back to the event loop."""
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+
+from .sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's logprob under the model and the most likely alternatives at its position."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(frozen=True)
+class ChoiceDelta:
+    """New output of choice `index`: text safe to send, the tokens behind it, and the finish reason once done."""
+
+    index: int
+    text: str
+    tokens: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Logprobs of the prompt tokens (the first has none), for `echo` with `logprobs`."""
+
+    entries: list[TokenLogprob | None]
+
+
+@dataclass(frozen=True)
+class GenerationDone:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class GenerationFailed:
+    status: int
+    message: str
+
+
+Event = ChoiceDelta | PromptLogprobs | GenerationDone | GenerationFailed
+
+
+@dataclass
+class Generation:
+    """Prompt ids, `n` choices with shared parameters, and a thread-safe channel back to the asyncio side."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: frozenset[int] = frozenset()
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    prompt_logprobs: int | None = None  # top-N for echoed prompt tokens; None: not wanted
+    request_id: str = ""
+    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    _cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def emit(self, event: Event) -> None:
+        """Send an event to the asyncio side; safe to call from the worker thread."""
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    def cancel(self) -> None:
+        """Ask the worker to stop this generation at its next token (idempotent, any thread)."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()

@@ -1,0 +1,97 @@
+"""Thin endpoint functions: parse, hand to the serving objects, return."""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from .errors import APIError, invalid
+from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
+                       DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
+                       TokenizeResponse)
+from .serving import ModelState
+from .serving_chat import ChatServing
+from .serving_completions import CompletionServing
+
+router = APIRouter()
+LOADING_RETRY_AFTER_S = "5"
+
+
+def _state(request: Request) -> ModelState:
+    state: ModelState | None = request.app.state.model
+    if state is None:
+        raise APIError(503, "the model is still loading; retry shortly", code="model_loading",
+                       headers={"Retry-After": LOADING_RETRY_AFTER_S})
+    return state
+
+
+def _card(state: ModelState) -> ModelCard:
+    return ModelCard(id=state.model_id, created=state.created, max_model_len=state.runner.context_size)
+
+
+@router.get("/health", summary="503 while the model loads, 200 when ready")
+async def health(request: Request) -> JSONResponse:
+    state: ModelState | None = request.app.state.model
+    if state is None:
+        return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": LOADING_RETRY_AFTER_S})
+    worker = state.worker
+    return JSONResponse({"status": "ok", "model": state.model_id, "running": worker.running,
+                         "queued": worker.queued, "generated_tokens": worker.generated_tokens})
+
+
+@router.get("/v1/models", response_model=ModelList)
+async def list_models(request: Request) -> ModelList:
+    return ModelList(data=[_card(_state(request))])
+
+
+@router.get("/v1/models/{model_id:path}", response_model=ModelCard)
+async def get_model(model_id: str, request: Request) -> ModelCard:
+    state = _state(request)
+    if model_id != state.model_id:
+        raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
+    return _card(state)
+
+
+@router.post("/v1/chat/completions", response_model=None, responses={200: {"model": ChatCompletionResponse}})
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    _state(request)
+    chat: ChatServing = request.app.state.chat
+    return await chat.create(body, request)
+
+
+@router.post("/v1/completions", response_model=None, responses={200: {"model": CompletionResponse}})
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    _state(request)
+    serving: CompletionServing = request.app.state.completions
+    return await serving.create(body, request)
+
+
+@router.post("/tokenize", response_model=TokenizeResponse)
+async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+    state = _state(request)
+    if body.model is not None:
+        request.app.state.chat.check_model(body.model)
+    tokenizer = state.runner.tokenizer
+    if (body.prompt is None) == (body.messages is None):
+        raise invalid("give exactly one of prompt or messages", param="prompt")
+    if body.messages is not None:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        ids = await run_in_threadpool(tokenizer.apply_chat_template, messages,
+                                      add_generation_prompt=body.add_generation_prompt)
+    else:
+        ids = await run_in_threadpool(tokenizer.encode, body.prompt, body.add_special_tokens)
+    return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=state.runner.context_size)
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse)
+async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    state = _state(request)
+    if body.model is not None:
+        request.app.state.chat.check_model(body.model)
+    vocab = state.runner.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        raise invalid(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}", param="tokens")
+    return DetokenizeResponse(prompt=await run_in_threadpool(state.runner.tokenizer.decode, body.tokens))

@@ -1,0 +1,151 @@
+"""What chat and completions share: model check, request → Generation, running it, logprob and usage shapes."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from engine import Runner
+
+from .errors import APIError, invalid
+from .generation import Event, Generation, GenerationDone, GenerationFailed
+from .protocol import OpenAIRequest, TopLogprob, Usage
+from .sampling import SamplingParams
+from .worker import Worker
+
+log = logging.getLogger("emberserve.serving")
+DISCONNECT_POLL_S = 0.2
+
+
+@dataclass
+class ModelState:
+    """The served model: its id, runner and worker."""
+
+    model_id: str
+    runner: Runner
+    worker: Worker
+    fingerprint: str
+    created: int
+
+
+def request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class OpenAIServing:
+    """Shared request handling for the chat and completions endpoints."""
+
+    def __init__(self, state: ModelState) -> None:
+        self.state = state
+        self.runner = state.runner
+        self.tokenizer = state.runner.tokenizer
+
+    def check_model(self, name: str) -> None:
+        if name != self.state.model_id:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.state.model_id}`.",
+                           param="model", code="model_not_found")
+
+    def log_unknown_fields(self, req: OpenAIRequest) -> None:
+        if req.model_extra:
+            log.info("ignoring unknown request fields: %s", ", ".join(sorted(req.model_extra)))
+
+    def sampling_params(self, req: OpenAIRequest, logprobs: bool, top_logprobs: int) -> SamplingParams:
+        """The request's sampling values, with the model's generation defaults for those it leaves out."""
+        defaults = self.runner.generation_defaults
+
+        def pick(name: str, fallback: float | int) -> float | int:
+            value = getattr(req, name)
+            return value if value is not None else defaults.get(name, fallback)
+
+        try:
+            return SamplingParams(
+                temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", 0),
+                min_p=pick("min_p", 0.0), presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty, repetition_penalty=pick("repetition_penalty", 1.0),
+                logit_bias=self.logit_bias(req), seed=req.seed, logprobs=logprobs, top_logprobs=top_logprobs)
+        except ValueError as e:
+            raise invalid(str(e)) from None
+
+    def logit_bias(self, req: OpenAIRequest) -> dict[int, float]:
+        bias = {int(k): float(v) for k, v in (req.logit_bias or {}).items()}
+        bad = [k for k in bias if not 0 <= k < self.runner.vocab_size]
+        if bad:
+            raise invalid(f"logit_bias has token ids outside the vocabulary [0, {self.runner.vocab_size}): "
+                          f"{bad[:5]}", param="logit_bias")
+        return bias
+
+    def max_tokens(self, prompt_len: int, requested: int | None) -> int:
+        """The completion budget, checked against the context: 400 with the numbers when it does not fit."""
+        context = self.runner.context_size
+        if requested is None:
+            if prompt_len >= context:
+                raise invalid(f"This model's maximum context length is {context} tokens, but the prompt has "
+                              f"{prompt_len} tokens. Please reduce the length of the prompt.",
+                              param="messages", code="context_length_exceeded")
+            return context - prompt_len
+        if prompt_len + requested > context:
+            raise invalid(f"This model's maximum context length is {context} tokens. However, you requested "
+                          f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
+                          f"completion). Please reduce the prompt or max_tokens.",
+                          param="max_tokens", code="context_length_exceeded")
+        return requested
+
+    def new_generation(self, req: OpenAIRequest, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
+                       rid: str, prompt_logprobs: int | None = None) -> Generation:
+        if not prompt_ids:
+            raise invalid("the prompt is empty: at least one token is needed", param="prompt")
+        if req.min_tokens > max_tokens:
+            raise invalid(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})",
+                          param="min_tokens")
+        return Generation(prompt_ids=prompt_ids, params=params, max_tokens=max_tokens, n=req.n, stop=req.stop,
+                          stop_token_ids=self.tokenizer.end_token_ids, min_tokens=req.min_tokens,
+                          ignore_eos=req.ignore_eos, prompt_logprobs=prompt_logprobs, request_id=rid)
+
+    async def events(self, gen: Generation, request: Request | None = None) -> AsyncIterator[Event]:
+        """Submit `gen` and yield its events until done; leaving early (disconnect, error) cancels it.
+
+        With `request` given, a client that goes away is noticed while waiting, for non-streaming responses.
+        """
+        self.state.worker.submit(gen)
+        loop = asyncio.get_running_loop()
+        next_poll = loop.time() + DISCONNECT_POLL_S
+        try:
+            while True:
+                if request is None:
+                    event = await gen.events.get()
+                else:
+                    # Poll on a clock, not only when idle: a busy generation sends events faster than the poll.
+                    try:
+                        event = await asyncio.wait_for(gen.events.get(), max(0.0, next_poll - loop.time()))
+                    except TimeoutError:
+                        event = None
+                    if loop.time() >= next_poll:
+                        next_poll = loop.time() + DISCONNECT_POLL_S
+                        if await request.is_disconnected():
+                            log.info("client went away: cancelling %s", gen.request_id)
+                            return
+                    if event is None:
+                        continue
+                if isinstance(event, GenerationFailed):
+                    raise APIError(event.status, event.message, type="server_error" if event.status >= 500 else None)
+                yield event
+                if isinstance(event, GenerationDone):
+                    return
+        finally:
+            gen.cancel()
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details={"cached_tokens": 0})
+
+    def token_text(self, token: int) -> str:
+        """A token's text for logprobs; bytes that are not whole UTF-8 characters are shown escaped."""
+        return self.tokenizer.token_bytes(token).decode("utf-8", errors="backslashreplace")
+
+    def top_logprob(self, token: int, logprob: float) -> TopLogprob:
+        return TopLogprob(token=self.token_text(token), logprob=logprob, bytes=list(self.tokenizer.token_bytes(token)))

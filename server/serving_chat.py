@@ -1,0 +1,114 @@
+"""POST /v1/chat/completions: messages → chat template → Generation → a chat.completion or its SSE chunks."""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from jinja2 import TemplateError
+from starlette.concurrency import run_in_threadpool
+
+from .errors import APIError, invalid
+from .generation import ChoiceDelta, Generation, GenerationDone, TokenLogprob
+from .protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ResponseMessage,
+                       TokenLogprob as TokenLogprobModel)
+from .serving import OpenAIServing, request_id
+from .sse import DONE, event_json, sse_error, sse_response
+
+
+class ChatServing(OpenAIServing):
+    """Chat completions over the served model's chat template."""
+
+    async def create(self, req: ChatCompletionRequest, request: Request) -> ChatCompletionResponse | Any:
+        self.check_model(req.model)
+        self.log_unknown_fields(req)
+        if req.tools and req.tool_choice != "none":
+            raise invalid("tool calling is not supported by this server", param="tools")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise invalid("only response_format type 'text' is supported", param="response_format")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise invalid("top_logprobs requires logprobs to be true", param="top_logprobs")
+        ids = await run_in_threadpool(self._render, req)
+        budget = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = self.max_tokens(len(ids), budget)
+        params = self.sampling_params(req, req.logprobs, req.top_logprobs or 0)
+        rid = request_id("chatcmpl")
+        gen = self.new_generation(req, ids, params, max_tokens, rid)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return sse_response(self._stream(gen, req.model, include_usage))
+        return await self._complete(gen, req, request)
+
+    def _render(self, req: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+        except (TemplateError, ValueError, TypeError) as e:
+            raise invalid(f"the model's chat template rejected the messages: {e}", param="messages") from None
+
+    def _logprobs(self, entries: list[TokenLogprob]) -> list[TokenLogprobModel]:
+        out = []
+        for e in entries:
+            top = [self.top_logprob(t, lp) for t, lp in e.top]
+            base = self.top_logprob(e.token, e.logprob)
+            out.append(TokenLogprobModel(token=base.token, logprob=base.logprob, bytes=base.bytes, top_logprobs=top))
+        return out
+
+    async def _complete(self, gen: Generation, req: ChatCompletionRequest, request: Request) -> ChatCompletionResponse:
+        texts = [""] * gen.n
+        finish: list[str | None] = [None] * gen.n
+        logprobs: list[list[TokenLogprob]] = [[] for _ in range(gen.n)]
+        usage = None
+        async for event in self.events(gen, request):
+            if isinstance(event, ChoiceDelta):
+                texts[event.index] += event.text
+                logprobs[event.index] += event.logprobs or []
+                finish[event.index] = event.finish_reason or finish[event.index]
+            elif isinstance(event, GenerationDone):
+                usage = self.usage(event.prompt_tokens, event.completion_tokens)
+        if usage is None:  # the client went away; nobody reads this
+            raise APIError(499, "client closed request")
+        choices = [ChatChoice(index=i, message=ResponseMessage(content=texts[i]), finish_reason=finish[i],
+                              logprobs=ChatLogprobs(content=self._logprobs(logprobs[i])) if req.logprobs else None)
+                   for i in range(gen.n)]
+        return ChatCompletionResponse(id=gen.request_id, model=req.model, choices=choices, usage=usage,
+                                      system_fingerprint=self.state.fingerprint)
+
+    async def _stream(self, gen: Generation, model: str, include_usage: bool) -> AsyncIterator[str]:
+        created = int(time.time())
+        want_logprobs = gen.params.logprobs
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None, last: bool = False) -> str:
+            body: dict[str, Any] = {"id": gen.request_id, "object": "chat.completion.chunk", "created": created,
+                                    "model": model, "system_fingerprint": self.state.fingerprint, "choices": choices}
+            if include_usage:
+                body["usage"] = usage if last else None
+            return event_json(body)
+
+        def choice(index: int, delta: dict[str, Any], pending: list[TokenLogprob] | None = None,
+                   finish_reason: str | None = None) -> dict[str, Any]:
+            lp = None
+            if want_logprobs and pending is not None:
+                lp = {"content": [m.model_dump() for m in self._logprobs(pending)], "refusal": None}
+            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+
+        pending: list[list[TokenLogprob]] = [[] for _ in range(gen.n)]
+        try:
+            for i in range(gen.n):
+                yield chunk([choice(i, {"role": "assistant", "content": ""})])
+            async for event in self.events(gen):
+                if isinstance(event, ChoiceDelta):
+                    i = event.index
+                    pending[i] += event.logprobs or []
+                    if event.text:
+                        yield chunk([choice(i, {"content": event.text}, pending[i])])
+                        pending[i] = []
+                    if event.finish_reason is not None:
+                        yield chunk([choice(i, {}, pending[i] if pending[i] else None, event.finish_reason)])
+                elif isinstance(event, GenerationDone) and include_usage:
+                    usage = self.usage(event.prompt_tokens, event.completion_tokens).model_dump()
+                    yield chunk([], usage, last=True)
+        except APIError as e:
+            yield sse_error(e)
+        yield DONE

@@ -1,0 +1,184 @@
+"""POST /v1/completions: prompts (text or token ids) → Generations → a text_completion or its SSE chunks."""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from starlette.concurrency import run_in_threadpool
+
+from .errors import APIError, invalid
+from .generation import ChoiceDelta, Generation, GenerationDone, PromptLogprobs, TokenLogprob
+from .protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
+from .serving import OpenAIServing, request_id
+from .sse import DONE, event_json, sse_error, sse_response
+
+
+@dataclass
+class _Prompt:
+    ids: list[int]
+    text: str
+
+
+@dataclass
+class _LogprobsBuilder:
+    """Accumulates the completions-shaped logprobs of one choice, with character offsets into its text."""
+
+    serving: OpenAIServing
+    offset: int = 0
+    tokens: list[str] = field(default_factory=list)
+    token_logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
+    text_offset: list[int] = field(default_factory=list)
+
+    def add(self, entry: TokenLogprob | None, token: int) -> None:
+        text = self.serving.token_text(token)
+        self.tokens.append(text)
+        self.text_offset.append(self.offset)
+        self.offset += len(text)
+        self.token_logprobs.append(None if entry is None else entry.logprob)
+        self.top_logprobs.append(None if entry is None else {self.serving.token_text(t): lp for t, lp in entry.top})
+
+    def take(self) -> CompletionLogprobs:
+        """What was added since the last take (streaming sends each chunk's own tokens)."""
+        out = CompletionLogprobs(tokens=self.tokens, token_logprobs=self.token_logprobs,
+                                 top_logprobs=self.top_logprobs, text_offset=self.text_offset)
+        self.tokens, self.token_logprobs, self.top_logprobs, self.text_offset = [], [], [], []
+        return out
+
+
+class CompletionServing(OpenAIServing):
+    """Legacy text completions, one Generation per prompt, `n` choices each."""
+
+    async def create(self, req: CompletionRequest, request: Request) -> CompletionResponse | Any:
+        self.check_model(req.model)
+        self.log_unknown_fields(req)
+        if req.suffix:
+            raise invalid("suffix is not supported", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise invalid("best_of is not supported (only best_of == n)", param="best_of")
+        prompts = await run_in_threadpool(self._prompts, req)
+        top_n = req.logprobs
+        params = self.sampling_params(req, top_n is not None, top_n or 0)
+        rid = request_id("cmpl")
+        gens = [self.new_generation(req, p.ids, params, self.max_tokens(len(p.ids), req.max_tokens), rid,
+                                    prompt_logprobs=top_n if req.echo and top_n is not None else None)
+                for p in prompts]
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return sse_response(self._stream(gens, prompts, req, include_usage))
+        return await self._complete(gens, prompts, req, request)
+
+    def _prompts(self, req: CompletionRequest) -> list[_Prompt]:
+        raw = req.prompt
+        if isinstance(raw, str):
+            raw = [raw]
+        if not raw:
+            raise invalid("prompt must not be empty", param="prompt")
+        if isinstance(raw[0], int):
+            raw = [raw]
+        prompts = []
+        for item in raw:
+            if isinstance(item, str):
+                prompts.append(_Prompt(self.tokenizer.encode(item), item))
+                continue
+            bad = [t for t in item if not 0 <= t < self.runner.vocab_size]
+            if bad:
+                raise invalid(f"prompt token ids outside the vocabulary [0, {self.runner.vocab_size}): {bad[:5]}",
+                              param="prompt")
+            prompts.append(_Prompt(list(item), self.tokenizer.decode(item)))
+        return prompts
+
+    def _choice_start(self, prompt: _Prompt, echo: bool, builder: _LogprobsBuilder | None,
+                      prompt_lp: list[TokenLogprob | None] | None) -> str:
+        """The echoed prompt text (and its logprobs into `builder`) that opens each choice."""
+        if not echo:
+            return ""
+        if builder is not None:
+            for token, entry in zip(prompt.ids, prompt_lp or [None] * len(prompt.ids)):
+                builder.add(entry, token)
+        return prompt.text
+
+    async def _complete(self, gens: list[Generation], prompts: list[_Prompt], req: CompletionRequest,
+                        request: Request) -> CompletionResponse:
+        choices: list[CompletionChoice] = []
+        prompt_tokens = completion_tokens = 0
+        for gen, prompt in zip(gens, prompts):
+            # Echo without logprobs needs no prompt pass: the prompt text opens each choice directly.
+            texts = [self._choice_start(prompt, req.echo and gen.prompt_logprobs is None, None, None)] * gen.n
+            finish: list[str | None] = [None] * gen.n
+            builders = [_LogprobsBuilder(self) for _ in range(gen.n)] if req.logprobs is not None else None
+            done = False
+            async for event in self.events(gen, request):
+                if isinstance(event, PromptLogprobs):
+                    for i in range(gen.n):
+                        texts[i] = self._choice_start(prompt, True, builders[i] if builders else None, event.entries)
+                elif isinstance(event, ChoiceDelta):
+                    texts[event.index] += event.text
+                    if builders:
+                        for entry in event.logprobs or []:
+                            builders[event.index].add(entry, entry.token)
+                    finish[event.index] = event.finish_reason or finish[event.index]
+                elif isinstance(event, GenerationDone):
+                    prompt_tokens += event.prompt_tokens
+                    completion_tokens += event.completion_tokens
+                    done = True
+            if not done:
+                raise APIError(499, "client closed request")
+            base = len(choices)
+            choices += [CompletionChoice(index=base + i, text=texts[i], finish_reason=finish[i],
+                                         logprobs=builders[i].take() if builders else None) for i in range(gen.n)]
+        return CompletionResponse(id=gens[0].request_id, model=req.model, choices=choices,
+                                  usage=self.usage(prompt_tokens, completion_tokens),
+                                  system_fingerprint=self.state.fingerprint)
+
+    async def _stream(self, gens: list[Generation], prompts: list[_Prompt], req: CompletionRequest,
+                      include_usage: bool) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
+            body: dict[str, Any] = {"id": gens[0].request_id, "object": "text_completion", "created": created,
+                                    "model": req.model, "system_fingerprint": self.state.fingerprint,
+                                    "choices": choices}
+            if include_usage:
+                body["usage"] = usage
+            return event_json(body)
+
+        def choice(index: int, text: str, builder: _LogprobsBuilder | None, finish: str | None = None) -> dict:
+            lp = builder.take().model_dump() if builder is not None else None
+            return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+
+        prompt_tokens = completion_tokens = base = 0
+        try:
+            for gen, prompt in zip(gens, prompts):
+                builders = [_LogprobsBuilder(self) for _ in range(gen.n)] if req.logprobs is not None else None
+                started = [False] * gen.n
+                async for event in self.events(gen):
+                    if isinstance(event, PromptLogprobs):
+                        for i in range(gen.n):
+                            b = builders[i] if builders else None
+                            yield chunk([choice(base + i, self._choice_start(prompt, True, b, event.entries), b)])
+                            started[i] = True
+                    elif isinstance(event, ChoiceDelta):
+                        i, b = event.index, builders[event.index] if builders else None
+                        text = event.text
+                        if not started[i]:
+                            text, started[i] = self._choice_start(prompt, req.echo, None, None) + text, True
+                        if b is not None:
+                            for entry in event.logprobs or []:
+                                b.add(entry, entry.token)
+                        if text or (b is not None and b.tokens):
+                            yield chunk([choice(base + i, text, b)])
+                        if event.finish_reason is not None:
+                            yield chunk([choice(base + i, "", None, event.finish_reason)])
+                    elif isinstance(event, GenerationDone):
+                        prompt_tokens += event.prompt_tokens
+                        completion_tokens += event.completion_tokens
+                base += gen.n
+            if include_usage:
+                yield chunk([], self.usage(prompt_tokens, completion_tokens).model_dump())
+        except APIError as e:
+            yield sse_error(e)
+        yield DONE
