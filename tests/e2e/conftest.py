@@ -106,3 +106,11 @@ def http(base_url: str) -> Iterator[httpx.Client]:
 def tokenizer() -> Tokenizer:
     """The served model's tokenizer, built in the test process, to count and construct tokens independently."""
     return Tokenizer.from_gguf_metadata(read_gguf_metadata(KNOWN_MODELS[MODEL].path()))
+
+
+@pytest.fixture(scope="session")
+def ref(smollm):
+    """Greedy decoding by the engine in the test process (same weights as the server)."""
+    from greedy_reference import Reference
+
+    return Reference(smollm)

@@ -12,6 +12,8 @@ import httpx
 import openai
 import pytest
 
+from greedy_reference import Reference, spanning_stop
+
 MODEL = "smollm2-135m"
 POEM = [{"role": "user", "content": "Write a short poem about the sea."}]
 HI = [{"role": "user", "content": "Hi"}]
@@ -19,49 +21,6 @@ SHORT_ANSWER = [{"role": "user", "content": "Is the sky blue? Answer yes or no."
 JAPANESE = [{"role": "user", "content": "Translate 'good morning' into Japanese and add a sun emoji"}]
 CAPITAL = "The capital of France is"
 EMOJI = "Emoji for sun: ☀️, emoji for moon:"
-
-
-class Reference:
-    """Greedy decoding in the test process with the engine the server runs."""
-
-    def __init__(self, runner) -> None:
-        self.runner, self.tok = runner, runner.tokenizer
-        self.end_ids = set(self.tok.end_token_ids)
-        self._cache: dict[tuple[int, ...], list[int]] = {}
-
-    def chat_ids(self, messages: list[dict]) -> list[int]:
-        return self.tok.apply_chat_template(messages, add_generation_prompt=True)
-
-    def generate(self, ids: Sequence[int], n: int) -> list[int]:
-        cached = self._cache.get(tuple(ids))
-        if cached is None or (len(cached) < n and cached[-1] not in self.end_ids):
-            cached = self._cache[tuple(ids)] = self.runner.generate(
-                list(ids), n, on_token=lambda t: t not in self.end_ids)
-        return cached[:n]
-
-    def text(self, tokens: Sequence[int]) -> str:
-        return self.tok.decode(list(tokens), skip_special_tokens=True)
-
-    def finish_reason(self, tokens: Sequence[int]) -> str:
-        return "stop" if tokens and tokens[-1] in self.end_ids else "length"
-
-
-@pytest.fixture(scope="module")
-def ref(smollm) -> Reference:
-    return Reference(smollm)
-
-
-def spanning_stop(ref: Reference, tokens: Sequence[int], start_token: int, spanned: int = 2) -> str:
-    """A substring of the decoded `tokens` from the last character of token `start_token` to the first character of
-    token `start_token + spanned` (it spans `spanned + 1` tokens), occurring nowhere earlier."""
-    text = ref.text(tokens)
-    for b in range(start_token, len(tokens) - spanned):
-        begin, end = len(ref.text(tokens[:b + 1])) - 1, len(ref.text(tokens[:b + spanned])) + 1
-        stop = text[begin:end]
-        if (len(ref.text(tokens[:b])) <= begin and len(ref.text(tokens[:b + spanned + 1])) >= end
-                and stop.strip() and text.find(stop) == begin):
-            return stop
-    raise AssertionError(f"no stop string spanning tokens after {start_token} in {text!r}")
 
 
 def check_chat_chunks(chunks: list, n: int = 1) -> list[str]:
@@ -199,7 +158,7 @@ def test_wire_format_usage(http: httpx.Client, tokenizer, path: str, body: dict)
 def test_stop_string_spanning_tokens_never_leaks_chat(client: openai.OpenAI, ref: Reference) -> None:
     tokens = ref.generate(ref.chat_ids(POEM), 14)
     text = ref.text(tokens)
-    stop = spanning_stop(ref, tokens, 3, spanned=2)
+    stop, _ = spanning_stop(ref.text, tokens, 3, spanned=2)
     chunks = list(client.chat.completions.create(model=MODEL, messages=POEM, max_tokens=14, temperature=0,
                                                  stop=[stop], stream=True))
     deltas = [ch.delta.content or "" for c in chunks for ch in c.choices]
@@ -212,7 +171,7 @@ def test_stop_string_spanning_tokens_never_leaks_completions(client: openai.Open
                                                              tokenizer) -> None:
     tokens = ref.generate(tokenizer.encode(CAPITAL), 12)
     text = ref.text(tokens)
-    stop = spanning_stop(ref, tokens, 2, spanned=3)
+    stop, _ = spanning_stop(ref.text, tokens, 2, spanned=3)
     chunks = list(client.completions.create(model=MODEL, prompt=CAPITAL, max_tokens=12, temperature=0, stop=stop,
                                             stream=True))
     deltas = [c.choices[0].text for c in chunks]
