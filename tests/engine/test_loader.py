@@ -59,3 +59,24 @@ def test_truncated_gguf_is_a_clear_error(tmp_path: Path) -> None:
     cut.write_bytes(src.read_bytes()[: src.stat().st_size // 2])
     with pytest.raises(ModelFormatError, match="truncated"):
         load_runner(cut)
+
+
+def test_sharded_safetensors_with_index(tiny_zoo, tmp_path: Path) -> None:
+    """A checkpoint split into shards with model.safetensors.index.json loads to the same logits."""
+    import shutil
+
+    import torch
+
+    tiny = tiny_zoo.model("qwen2")
+    sharded = tmp_path / "sharded"
+    tiny.hf_model.save_pretrained(sharded, max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny.safetensors_dir / name, sharded / name)
+    ids = list(range(3, 30))
+    whole = load_runner(tiny.safetensors_dir).predict_logits(ids)
+    torch.testing.assert_close(load_runner(sharded).predict_logits(ids), whole, rtol=0, atol=0)
+    next(sharded.glob("model-0000*.safetensors")).unlink()
+    with pytest.raises(ModelFormatError, match="missing safetensors shards"):
+        load_runner(sharded)
