@@ -155,14 +155,19 @@ class ChatChoice(BaseModel):
     finish_reason: str | None
 
 
-class ChatCompletionResponse(BaseModel):
+class _CompletionEnvelope(BaseModel):
+    """Fields every non-streaming completion body carries around its choices."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     system_fingerprint: str | None = None
-    choices: list[ChatChoice]
     usage: Usage
+
+
+class ChatCompletionResponse(_CompletionEnvelope):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
 
 
 class CompletionLogprobs(BaseModel):
@@ -179,14 +184,9 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(_CompletionEnvelope):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    system_fingerprint: str | None = None
     choices: list[CompletionChoice]
-    usage: Usage
 
 
 class ModelCard(BaseModel):

@@ -11,7 +11,7 @@ from .errors import APIError, invalid
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                        DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                        TokenizeResponse)
-from .serving import ModelState
+from .serving import ModelState, check_model
 from .serving_chat import ChatServing
 from .serving_completions import CompletionServing
 
@@ -24,6 +24,14 @@ def _state(request: Request) -> ModelState:
     if state is None:
         raise APIError(503, "the model is still loading; retry shortly", code="model_loading",
                        headers={"Retry-After": LOADING_RETRY_AFTER_S})
+    return state
+
+
+def _state_for(request: Request, model: str | None) -> ModelState:
+    """The served model, checked against the optional `model` a utility request names."""
+    state = _state(request)
+    if model is not None:
+        check_model(state, model)
     return state
 
 
@@ -48,10 +56,7 @@ async def list_models(request: Request) -> ModelList:
 
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard)
 async def get_model(model_id: str, request: Request) -> ModelCard:
-    state = _state(request)
-    if model_id != state.model_id:
-        raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
-    return _card(state)
+    return _card(_state_for(request, model_id))
 
 
 @router.post("/v1/chat/completions", response_model=None, responses={200: {"model": ChatCompletionResponse}})
@@ -70,9 +75,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
 
 @router.post("/tokenize", response_model=TokenizeResponse)
 async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
-    state = _state(request)
-    if body.model is not None:
-        request.app.state.chat.check_model(body.model)
+    state = _state_for(request, body.model)
     tokenizer = state.runner.tokenizer
     if (body.prompt is None) == (body.messages is None):
         raise invalid("give exactly one of prompt or messages", param="prompt")
@@ -87,9 +90,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
 
 @router.post("/detokenize", response_model=DetokenizeResponse)
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
-    state = _state(request)
-    if body.model is not None:
-        request.app.state.chat.check_model(body.model)
+    state = _state_for(request, body.model)
     vocab = state.runner.vocab_size
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:

@@ -32,6 +32,13 @@ class ModelState:
     created: int
 
 
+def check_model(state: ModelState, name: str) -> None:
+    """404 unless `name` is the served model's id."""
+    if name != state.model_id:
+        raise APIError(404, f"The model `{name}` does not exist; this server serves `{state.model_id}`.",
+                       param="model", code="model_not_found")
+
+
 def request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -45,9 +52,7 @@ class OpenAIServing:
         self.tokenizer = state.runner.tokenizer
 
     def check_model(self, name: str) -> None:
-        if name != self.state.model_id:
-            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.state.model_id}`.",
-                           param="model", code="model_not_found")
+        check_model(self.state, name)
 
     def log_unknown_fields(self, req: OpenAIRequest) -> None:
         if req.model_extra:

@@ -11,7 +11,8 @@ Choices where OpenAI/vLLM leave room:
   however the text is cut into tokens: with stops ["\\n\\nUser:", "User"] the text "hi\\n\\nUser:" stops at "User"
   and sends "hi\\n\\n", whether it came in one token or one character at a time.
 - As in vLLM, neither end tokens nor stop strings end a choice until more than `min_tokens` tokens have been
-  generated; a stop string completed by one of the first `min_tokens` tokens is ordinary text and is sent.
+  generated; a stop string completed by one of the first `min_tokens` tokens is ordinary text and is sent. (The
+  worker also keeps end tokens from being sampled at all before `min_tokens`, as vLLM does.)
 - A stop string or end token on the `max_tokens`-th token finishes with "stop", not "length"; `max_tokens` caps the
   choice even below `min_tokens` (vLLM rejects min_tokens > max_tokens; that check belongs to request validation).
 """
