@@ -1,72 +1,54 @@
-"""`KVCache`: per-layer key/value storage for many sequences at once, one slot per sequence."""
+"""`PagedKVCache`: one preallocated pool of key/value blocks per layer, addressed by token slots."""
 from __future__ import annotations
 
 import torch
 
-GROW_CHUNK = 256
+from .config import ModelConfig
+
+DEFAULT_BLOCK_SIZE = 16
 
 
-class KVCache:
-    """Keys and values as [slots, kv_heads, capacity, head_dim] per layer; capacity grows in chunks up to `max_len`.
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of keys and values one token takes across all layers."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
 
-    Every sequence owns one slot and writes its tokens at their absolute positions, so a batch of sequences of
-    different lengths shares one tensor per layer and one forward pass.
+
+class PagedKVCache:
+    """Keys and values as [num_blocks * block_size, kv_heads, head_dim] per layer.
+
+    Token slot `b * block_size + i` is position i of block b. Memory is reserved with `torch.empty`, so pages are
+    only touched (and counted in RSS) once used; nothing reads a slot before it is written.
     """
 
-    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, max_len: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        self.num_layers, self.num_slots, self.max_len = num_layers, num_slots, max_len
-        self._shape = (num_slots, num_kv_heads, 0, head_dim)
-        self.dtype, self.device = dtype, device
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-        self.capacity = 0
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
 
-    def ensure_capacity(self, length: int) -> None:
-        """Make room for positions [0, length) in every slot, copying what is stored when growing."""
-        if length <= self.capacity:
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [N, kv_heads, head_dim] at token `slots` [N]."""
+        self.keys[layer].index_copy_(0, slots, k)
+        self.values[layer].index_copy_(0, slots, v)
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at `slots` [..., L] as [..., kv_heads, L, head_dim] (the layout attention reads)."""
+        shape = (*slots.shape, *self.keys[layer].shape[1:])
+        k = self.keys[layer].index_select(0, slots.reshape(-1)).view(shape)
+        v = self.values[layer].index_select(0, slots.reshape(-1)).view(shape)
+        return k.transpose(-3, -2), v.transpose(-3, -2)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (source, destination), for copy-on-write."""
+        if not pairs:
             return
-        new_cap = min(self.max_len, max(length, (self.capacity * 2) or GROW_CHUNK))
-        new_cap = max(new_cap, length)
-        s, h, _, d = self._shape
+        bs = self.block_size
+        src = torch.cat([torch.arange(s * bs, (s + 1) * bs) for s, _ in pairs]).to(self.keys[0].device)
+        dst = torch.cat([torch.arange(d * bs, (d + 1) * bs) for _, d in pairs]).to(self.keys[0].device)
         for store in (self.keys, self.values):
-            for i in range(self.num_layers):
-                grown = torch.zeros((s, h, new_cap, d), dtype=self.dtype, device=self.device)
-                if self.capacity:
-                    grown[:, :, :self.capacity] = store[i]
-                    store[i] = grown
-                else:
-                    store.append(grown)
-        self.capacity = new_cap
-
-    def write_and_read(self, layer: int, slots: list[int], start: int | None, positions: torch.Tensor,
-                       k: torch.Tensor, v: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [B, T, H, D] at `positions` [B, T] of each slot; return keys, values [B, H, kv_len, D].
-
-        `start` is the first position when the batch is one sequence written contiguously (a cheap view path).
-        """
-        kc, vc = self.keys[layer], self.values[layer]
-        if start is not None:
-            s, t = slots[0], k.shape[1]
-            kc[s, :, start:start + t] = k[0].transpose(0, 1)
-            vc[s, :, start:start + t] = v[0].transpose(0, 1)
-            return kc[s:s + 1, :, :kv_len], vc[s:s + 1, :, :kv_len]
-        slot_idx = torch.tensor(slots, device=kc.device).unsqueeze(1).expand_as(positions)
-        kc[slot_idx, :, positions] = k
-        vc[slot_idx, :, positions] = v
-        rows = torch.tensor(slots, device=kc.device)
-        return kc[rows, :, :kv_len], vc[rows, :, :kv_len]
-
-    def export_slot(self, slot: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Copies of the first `length` positions of a slot, per layer."""
-        return [(k[slot, :, :length].clone(), v[slot, :, :length].clone()) for k, v in zip(self.keys, self.values)]
-
-    def import_slot(self, slot: int, layers: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
-        """Write the first `length` positions of saved per-layer tensors into a slot."""
-        self.ensure_capacity(length)
-        for (k, v), kc, vc in zip(layers, self.keys, self.values):
-            kc[slot, :, :length] = k[:, :length]
-            vc[slot, :, :length] = v[:, :length]
+            for t in store:
+                t.index_copy_(0, dst, t.index_select(0, src))
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig, RopeConfig
-from .kv_cache import KVCache
+from .batch import ForwardBatch
+from .kv_cache import PagedKVCache
 
 
 class RMSNorm(nn.Module):
@@ -53,33 +52,10 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.d
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, T, H, D] by cos/sin [B, T, D]."""
+    """Rotate x [N, H, D] by cos/sin [N, D]."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos.unsqueeze(2) + rotated * sin.unsqueeze(2)
-
-
-@dataclass
-class ForwardBatch:
-    """Where the rows of one forward pass go: cache slots, absolute positions, and their attention context."""
-
-    slots: list[int]           # cache slot of each sequence
-    start: int | None          # first position when the batch is one sequence written contiguously
-    positions: torch.Tensor    # [B, T] absolute position of each new token
-    kv_len: int                # keys to read per sequence: max position + 1
-    rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # cos, sin per rope kind ("global", "local")
-    full_mask: torch.Tensor | None     # [B, 1, T, kv_len] bool, None when plain causal from position 0
-    sliding_mask: torch.Tensor | None  # the same with the sliding window applied
-
-
-def attention_mask(positions: torch.Tensor, kv_len: int, window: int | None) -> torch.Tensor:
-    """Causal mask [B, 1, T, kv_len]: key j is visible to a query at position p if j <= p (and p - j < window)."""
-    keys = torch.arange(kv_len, device=positions.device)
-    q = positions.unsqueeze(-1)
-    mask = keys <= q
-    if window is not None:
-        mask &= keys > q - window
-    return mask.unsqueeze(1)
+    return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
 
 
 class Attention(nn.Module):
@@ -99,22 +75,37 @@ class Attention(nn.Module):
         self.rope = "local" if cfg.layer_is_sliding[layer] and cfg.local_rope else "global"
         self.sliding = cfg.layer_is_sliding[layer]
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
+        """x [N, hidden]: the flat new tokens of every row of `batch`."""
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = batch.rope[self.rope]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys, values = cache.write_and_read(self.layer, batch.slots, batch.start, batch.positions, k, v, batch.kv_len)
-        mask = batch.sliding_mask if self.sliding else batch.full_mask
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=mask is None and t > 1,
-            scale=self.cfg.query_scale, enable_gqa=self.num_kv_heads != self.num_heads,
-        )
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        cache.write(self.layer, batch.slots, k, v)
+        gqa = self.num_kv_heads != self.num_heads
+        out = torch.empty_like(q)
+        if (group := batch.decode) is not None:
+            keys, values = cache.gather(self.layer, group.key_slots)  # [Bd, kv_heads, L, D]
+            mask = group.sliding_mask if self.sliding else group.full_mask
+            qd = q.index_select(0, group.token_index).unsqueeze(2)    # [Bd, heads, 1, D]
+            o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=mask, scale=self.cfg.query_scale,
+                                               enable_gqa=gqa)
+            out.index_copy_(0, group.token_index, o.squeeze(2))
+        for row in batch.prefills:
+            if row.key_slots is None:  # a fresh sequence: its keys are exactly the chunk's own
+                keys, values = k[row.begin:row.end].transpose(0, 1), v[row.begin:row.end].transpose(0, 1)
+            else:
+                keys, values = cache.gather(self.layer, row.key_slots)
+            mask = row.sliding_mask if self.sliding else row.full_mask
+            o = F.scaled_dot_product_attention(
+                q[row.begin:row.end].transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                attn_mask=mask, is_causal=mask is None, scale=self.cfg.query_scale, enable_gqa=gqa)
+            out[row.begin:row.end] = o[0].transpose(0, 1)
+        return self.o_proj(out.view(n, -1))
 
 
 class GatedMLP(nn.Module):

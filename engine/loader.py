@@ -10,6 +10,7 @@ import torch
 
 from .config import ModelConfig
 from .errors import ModelFormatError
+from .kv_cache import kv_bytes_per_token
 from .models import DecoderModel, build_model
 from .registry import KNOWN_MODELS
 from .runner import Runner
@@ -17,6 +18,7 @@ from .tokenizer import Tokenizer
 from .weights.gguf import load_gguf
 from .weights.safetensors import load_safetensors_dir
 
+DEFAULT_CPU_KV_MEMORY = 1 << 30
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 
@@ -68,9 +70,32 @@ def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def kv_cache_tokens(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, context: int,
+                    memory: int | None) -> int:
+    """How many tokens the KV pool holds: `memory` bytes, else a default budget, never less than one context.
+
+    CPU default: 1 GiB (pages are touched only as they fill). Accelerators: 90% of the memory left free.
+    """
+    per_token = kv_bytes_per_token(cfg, dtype)
+    if memory is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            memory = int(free * 0.9)
+        else:
+            memory = DEFAULT_CPU_KV_MEMORY
+        return max(context, memory // per_token)
+    if memory // per_token < 1:
+        raise ValueError(f"kv cache memory of {memory} bytes holds no token ({per_token} bytes per token)")
+    return memory // per_token
+
+
 def load_runner(source: str | os.PathLike[str], device: str | torch.device = "cpu",
-                dtype: str | torch.dtype | None = None, max_context: int | None = None) -> Runner:
-    """A ready Runner for a known model name, a .gguf file, or a safetensors directory."""
+                dtype: str | torch.dtype | None = None, max_context: int | None = None,
+                kv_cache_memory: int | None = None, prefix_caching: bool = True) -> Runner:
+    """A ready Runner for a known model name, a .gguf file, or a safetensors directory.
+
+    `kv_cache_memory` (bytes) sizes the paged KV pool; `prefix_caching` lets prompts reuse cached prefixes.
+    """
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
     name, defaults, template = str(source), {}, None
@@ -97,5 +122,7 @@ def load_runner(source: str | os.PathLike[str], device: str | torch.device = "cp
         tokenizer.set_chat_template(template)
     model = _materialise(cfg, state, device, dtype, str(path))
     _rebuild_buffers(model, device, freq_factors)
+    context = min(max_context or cfg.max_position, cfg.max_position)
     return Runner(model, tokenizer, name=name if known else path.name, device=device, dtype=dtype,
-                  max_context=max_context, generation_defaults=defaults)
+                  max_context=max_context, generation_defaults=defaults, prefix_caching=prefix_caching,
+                  kv_cache_tokens=kv_cache_tokens(cfg, dtype, device, context, kv_cache_memory))

@@ -1,38 +1,46 @@
-"""`Runner`: the host-driven loop over one decoder: prefill, cached decode, sessions and their snapshots."""
+"""`Runner`: the host-driven loop over one decoder: batched steps over the paged KV cache, and a single session."""
 from __future__ import annotations
 
+import queue
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from .batch import StepRow, build_batch
+from .block_manager import BlockManager, KVSequence
 from .config import ModelConfig
 from .errors import ContextLengthError
-from .kv_cache import KVCache
+from .kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
 from .models import DecoderModel
 from .tokenizer import Tokenizer
 
-SESSION_SLOT = 0
 
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class SessionSnapshot:
-    """A session frozen for reuse: its token history and the keys/values computed for it."""
+    """A session frozen for reuse: its token history and a share of its KV blocks (no copy; freed with it)."""
 
     tokens: tuple[int, ...]
-    kv: list[tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+    handle: KVSequence = field(repr=False)
 
     def __len__(self) -> int:
         return len(self.tokens)
 
 
 class Runner:
-    """Owns a decoder, its tokenizer and a KV cache; exposes logits for the caller's own sampling loop."""
+    """Owns a decoder, its tokenizer and a paged KV cache; gives logits for the caller's own sampling loop.
+
+    `step` runs many sequences (prefill chunks and decode tokens) in one forward pass; `prefill_logits`,
+    `decode_logits` and the snapshot methods drive one implicit session on top of it. Not thread-safe: one thread
+    owns a runner.
+    """
 
     def __init__(self, model: DecoderModel, tokenizer: Tokenizer, *, name: str, device: torch.device,
                  dtype: torch.dtype, max_context: int | None = None,
-                 generation_defaults: dict[str, Any] | None = None) -> None:
+                 generation_defaults: dict[str, Any] | None = None, kv_cache_tokens: int | None = None,
+                 block_size: int = DEFAULT_BLOCK_SIZE, prefix_caching: bool = True) -> None:
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.config: ModelConfig = model.cfg
         self.device, self.dtype = device, dtype
@@ -41,9 +49,11 @@ class Runner:
             raise ValueError(f"max_context must be between 1 and the model's trained context {trained}, got {max_context}")
         self.context_size = max_context or trained
         self.generation_defaults = dict(generation_defaults or {})
-        cfg = self.config
-        self.cache = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, self.context_size, dtype, device)
-        self.tokens: list[int] = []
+        num_blocks = -(-(kv_cache_tokens or self.context_size) // block_size)
+        self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
+        self.cache = PagedKVCache(self.config, num_blocks, block_size, dtype, device)
+        self._session: KVSequence | None = None
+        self._released: queue.SimpleQueue[KVSequence] = queue.SimpleQueue()  # snapshots collected by the GC
 
     @property
     def family(self) -> str:
@@ -53,70 +63,123 @@ class Runner:
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
+    @property
+    def tokens(self) -> list[int]:
+        """The current session's tokens."""
+        return list(self._session.tokens) if self._session else []
+
     def _check_fits(self, length: int) -> None:
         if length > self.context_size:
             raise ContextLengthError(
                 f"sequence of {length} tokens exceeds the context size of {self.context_size} tokens")
 
-    @torch.inference_mode()
-    def _extend(self, new_ids: Sequence[int], all_logits: bool) -> torch.Tensor:
-        """Run `new_ids` after the current session tokens; logits [T, vocab] or for the last token [vocab]."""
-        if not new_ids:
-            raise ValueError("at least one token is needed")
-        start = len(self.tokens)
-        self._check_fits(start + len(new_ids))
-        self.cache.ensure_capacity(start + len(new_ids))
-        ids = torch.tensor([list(new_ids)], dtype=torch.long, device=self.device)
-        positions = torch.arange(start, start + len(new_ids), device=self.device).unsqueeze(0)
-        batch = self.model.make_batch([SESSION_SLOT], positions, self.dtype)
-        rows = None if all_logits else torch.tensor([len(new_ids) - 1], device=self.device)
-        logits = self.model(ids, batch, self.cache, rows)
-        self.tokens.extend(int(t) for t in new_ids)
-        return logits if all_logits else logits[0]
-
     def _validate_ids(self, ids: Sequence[int]) -> list[int]:
         ids = [int(t) for t in ids]
+        if not ids:
+            raise ValueError("at least one token is needed")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
         return ids
 
+    # ---- many sequences ----
+    def new_sequence(self, ids: Sequence[int], use_prefix_cache: bool = True) -> KVSequence:
+        """A sequence for `ids`, already holding the longest cached prefix (at least one token is left to compute)."""
+        ids = self._validate_ids(ids)
+        self._check_fits(len(ids))
+        seq = KVSequence(ids)
+        if use_prefix_cache:
+            self._drain_released()
+            self.blocks.match_prefix(seq, len(ids) - 1)
+        return seq
+
+    def free_sequence(self, seq: KVSequence) -> None:
+        """Return every block of `seq` to the pool (cached prefix blocks stay cached)."""
+        self.blocks.release(seq)
+
+    def _drain_released(self) -> None:
+        while True:
+            try:
+                self.blocks.release(self._released.get_nowait())
+            except queue.Empty:
+                return
+
+    @torch.inference_mode()
+    def step(self, rows: list[StepRow]) -> torch.Tensor:
+        """One forward pass over every row; float32 logits [R, vocab] for the rows' "last"/"all" positions in order.
+
+        Blocks are allocated here (NoFreeBlocks if the pool cannot hold a row); afterwards each row's sequence
+        counts the tokens as computed and its completed blocks enter the prefix cache.
+        """
+        self._drain_released()
+        for row in rows:
+            if row.start != row.seq.num_computed or not row.start < row.end <= len(row.seq.tokens):
+                raise ValueError(f"row [{row.start}, {row.end}) does not continue a sequence of "
+                                 f"{row.seq.num_computed} computed of {len(row.seq.tokens)} tokens")
+            self._check_fits(row.end)
+            self.blocks.allocate(row.seq, row.end)
+            self.cache.copy_blocks(self.blocks.prepare_write(row.seq, row.start, row.end))
+        batch = build_batch(rows, self.blocks.block_size, self.config.sliding_window, self.device)
+        self.model.add_rope(batch, self.dtype)
+        logits = self.model(batch, self.cache)
+        for row in rows:
+            row.seq.num_computed = row.end
+            self.blocks.commit(row.seq)
+        return logits
+
+    # ---- one session ----
+    def _start_session(self, seq: KVSequence | None) -> None:
+        if self._session is not None:
+            self.blocks.release(self._session)
+        self._session = seq
+
     def prefill_logits(self, ids: Sequence[int]) -> torch.Tensor:
         """Start a new session with `ids`; next-token logits [vocab], float32."""
-        ids = self._validate_ids(ids)
-        self.tokens = []
-        return self._extend(ids, all_logits=False)
+        seq = self.new_sequence(ids)
+        self._start_session(seq)
+        return self.step([StepRow(seq, seq.num_computed, len(seq.tokens))])[0]
 
     def predict_logits(self, ids: Sequence[int]) -> torch.Tensor:
         """Start a new session with `ids`; logits [len(ids), vocab] after every prefix (row i predicts ids[i+1])."""
-        ids = self._validate_ids(ids)
-        self.tokens = []
-        return self._extend(ids, all_logits=True)
+        seq = self.new_sequence(ids, use_prefix_cache=False)
+        self._start_session(seq)
+        return self.step([StepRow(seq, 0, len(seq.tokens), logits="all")])
 
     def decode_logits(self, token: int) -> torch.Tensor:
         """Append one token to the session using the KV cache; next-token logits [vocab]."""
-        if not self.tokens:
+        seq = self._session
+        if seq is None:
             raise RuntimeError("decode_logits needs a session: call prefill_logits first")
-        return self._extend(self._validate_ids([token]), all_logits=False)
+        token = self._validate_ids([token])[0]
+        self._check_fits(len(seq.tokens) + 1)
+        seq.tokens.append(token)
+        try:
+            return self.step([StepRow(seq, seq.num_computed, len(seq.tokens))])[0]
+        except Exception:
+            seq.tokens.pop()
+            raise
 
-    @torch.inference_mode()
+    def reset_session(self) -> None:
+        """Forget the current session; its blocks go back to the pool."""
+        self._start_session(None)
+
     def export_session(self) -> SessionSnapshot:
-        """A snapshot of the current session (a copy: later decoding does not change it)."""
-        return SessionSnapshot(tuple(self.tokens), self.cache.export_slot(SESSION_SLOT, len(self.tokens)))
+        """A snapshot of the current session: it shares the session's blocks, which later decoding never changes."""
+        seq = self._session
+        if seq is None:
+            return SessionSnapshot((), KVSequence([]))
+        handle = self.blocks.share(seq, seq.num_computed)
+        snapshot = SessionSnapshot(tuple(handle.tokens), handle)
+        weakref.finalize(snapshot, self._released.put, handle)
+        return snapshot
 
-    @torch.inference_mode()
     def restore_session(self, snapshot: SessionSnapshot, length: int | None = None) -> None:
         """Make the snapshot (or its first `length` tokens) the current session."""
         length = len(snapshot) if length is None else length
         if not 0 <= length <= len(snapshot):
             raise ValueError(f"cannot restore {length} tokens from a snapshot of {len(snapshot)}")
         self._check_fits(length)
-        self.cache.import_slot(SESSION_SLOT, snapshot.kv, length)
-        self.tokens = list(snapshot.tokens[:length])
-
-    def reset_session(self) -> None:
-        """Forget the current session; its cache slot is free for the next one."""
-        self.tokens = []
+        self._start_session(self.blocks.share(snapshot.handle, length))
 
     def prefill_logits_reusing(self, ids: Sequence[int], snapshot: SessionSnapshot, reuse_len: int) -> torch.Tensor:
         """Like prefill_logits, but takes the first `reuse_len` tokens from the snapshot and computes only the rest."""
@@ -127,8 +190,11 @@ class Runner:
             raise ValueError("the reused prefix differs from the snapshot's tokens")
         # At least the last prompt token is recomputed: its logits are the answer.
         reuse_len = min(reuse_len, len(ids) - 1)
+        self._check_fits(len(ids))
         self.restore_session(snapshot, reuse_len)
-        return self._extend(ids[reuse_len:], all_logits=False)
+        seq = self._session
+        seq.tokens.extend(ids[reuse_len:])
+        return self.step([StepRow(seq, reuse_len, len(ids))])[0]
 
     def common_prefix_len(self, ids: Sequence[int], snapshot: SessionSnapshot) -> int:
         """How many leading tokens of `ids` the snapshot already holds."""
@@ -150,7 +216,7 @@ class Runner:
             out.append(token)
             if on_token is not None and on_token(token) is False:
                 break
-            if len(out) >= n or len(self.tokens) >= self.context_size:
+            if len(out) >= n or len(self._session.tokens) >= self.context_size:
                 break
             logits = self.decode_logits(token)
         return out

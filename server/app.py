@@ -1,4 +1,4 @@
-"""The FastAPI application: load the model in the background, start its worker, install routes and error handlers."""
+"""The FastAPI application: load the model in the background, start its workers, install routes and error handlers."""
 from __future__ import annotations
 
 import asyncio
@@ -21,23 +21,41 @@ from .serving import ModelState
 from .serving_chat import ChatServing
 from .serving_completions import CompletionServing
 from .settings import Settings
-from .worker import Worker
+from .worker import Worker, WorkerPool
 
 log = logging.getLogger("emberserve")
 
 
+def _worker_device(settings: Settings, index: int) -> str:
+    """One device per worker on a multi-GPU host ("cuda" → cuda:0, cuda:1, ...); otherwise the device as given."""
+    if settings.workers > 1 and settings.device == "cuda":
+        return f"cuda:{index}"
+    return settings.device
+
+
 def _load(settings: Settings) -> ModelState:
     started = time.perf_counter()
-    runner = load_runner(settings.model, device=settings.device, dtype=settings.dtype,
-                         max_context=settings.max_context)
+    workers = []
+    for i in range(settings.workers):
+        runner = load_runner(settings.model, device=_worker_device(settings, i), dtype=settings.dtype,
+                             max_context=settings.max_context, kv_cache_memory=settings.kv_cache_memory,
+                             prefix_caching=settings.prefix_caching)
+        blocks = runner.blocks
+        log.info("worker %d: %s on %s; KV cache: %d blocks = %d tokens (%.0f MiB %s), prefix caching %s", i,
+                 runner.name, runner.device, blocks.num_blocks, blocks.num_blocks * blocks.block_size,
+                 runner.cache.nbytes() / 2**20, str(runner.dtype).removeprefix("torch."),
+                 "on" if blocks.prefix_caching else "off")
+        workers.append(Worker(runner, f"worker-{i}", max_batched_tokens=settings.max_batched_tokens,
+                              max_running=settings.max_running))
+    pool = WorkerPool(workers, settings.max_queued)
+    pool.start()
+    runner = workers[0].runner
     model_id = settings.served_model_name or runner.name
-    worker = Worker(runner)
-    worker.start()
     digest = hashlib.sha256(f"{__version__}:{model_id}:{runner.dtype}:{runner.device}".encode()).hexdigest()[:10]
     log.info("loaded %s (%s, %s on %s, context %d) in %.1fs", model_id, runner.family,
              str(runner.dtype).removeprefix("torch."), runner.device, runner.context_size,
              time.perf_counter() - started)
-    return ModelState(model_id=model_id, runner=runner, worker=worker, fingerprint=f"fp_{digest}",
+    return ModelState(model_id=model_id, runner=runner, pool=pool, fingerprint=f"fp_{digest}",
                       created=int(time.time()))
 
 
@@ -67,7 +85,7 @@ def create_app(settings: Settings) -> FastAPI:
             loading.cancel()
             state: ModelState | None = app.state.model
             if state is not None:
-                state.worker.stop()
+                state.pool.stop()
 
     app = FastAPI(title="emberserve", version=__version__, lifespan=lifespan,
                   description="An OpenAI-compatible LLM inference server with its own torch engine.")

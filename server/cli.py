@@ -12,15 +12,24 @@ from engine import KNOWN_MODELS, ModelFormatError, ModelNotInstalledError
 from engine.__main__ import add_commands, run
 
 from .app import create_app
-from .settings import DEFAULT_HOST, DEFAULT_PORT, Settings
+from .settings import DEFAULT_HOST, DEFAULT_PORT, Settings, parse_bytes
 
 EXIT_LOAD_FAILED = 3
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _serve(args: argparse.Namespace) -> int:
     settings = Settings(model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
                         max_context=args.max_context, served_model_name=args.served_model_name,
-                        log_level=args.log_level)
+                        log_level=args.log_level, workers=args.workers, max_queued=args.max_queued,
+                        max_running=args.max_running, max_batched_tokens=args.max_batched_tokens,
+                        kv_cache_memory=args.kv_cache_memory, prefix_caching=not args.no_prefix_cache)
     # Fail before binding the port when there is clearly nothing to load.
     known = KNOWN_MODELS.get(settings.model)
     try:
@@ -57,6 +66,17 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-context", type=int, default=None, help="cap the context below the model's")
     serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: its name)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--workers", type=_positive, default=Settings.workers,
+                       help="runners, each on its own thread (with --device cuda: one per GPU)")
+    serve.add_argument("--max-queued", type=int, default=Settings.max_queued,
+                       help="waiting requests per worker before answering 429")
+    serve.add_argument("--max-running", type=_positive, default=Settings.max_running,
+                       help="sequences batched together")
+    serve.add_argument("--max-batched-tokens", type=_positive, default=Settings.max_batched_tokens,
+                       help="tokens per forward pass; longer prompts are prefilled in chunks")
+    serve.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                       help="memory for the paged KV cache, e.g. 512MiB (default: 1GiB on CPU, 90%% free on GPU)")
+    serve.add_argument("--no-prefix-cache", action="store_true", help="do not reuse cached prompt prefixes")
     serve.set_defaults(func=_serve)
     add_commands(sub)
     return run(parser.parse_args(argv))

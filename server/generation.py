@@ -39,6 +39,7 @@ class PromptLogprobs:
 class GenerationDone:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class GenerationFailed:
 Event = ChoiceDelta | PromptLogprobs | GenerationDone | GenerationFailed
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler keys its state by Generation
 class Generation:
     """Prompt ids, `n` choices with shared parameters, and a thread-safe channel back to the asyncio side."""
 

@@ -15,7 +15,7 @@ from .errors import APIError, invalid
 from .generation import Event, Generation, GenerationDone, GenerationFailed
 from .protocol import OpenAIRequest, TopLogprob, Usage
 from .sampling import SamplingParams
-from .worker import Worker
+from .worker import WorkerPool
 
 log = logging.getLogger("emberserve.serving")
 DISCONNECT_POLL_S = 0.2
@@ -26,8 +26,8 @@ class ModelState:
     """The served model: its id, runner and worker."""
 
     model_id: str
-    runner: Runner
-    worker: Worker
+    runner: Runner          # the first worker's runner: tokenizer, vocabulary, context size
+    pool: WorkerPool
     fingerprint: str
     created: int
 
@@ -110,12 +110,21 @@ class OpenAIServing:
                           stop_token_ids=self.tokenizer.end_token_ids, min_tokens=req.min_tokens,
                           ignore_eos=req.ignore_eos, prompt_logprobs=prompt_logprobs, request_id=rid)
 
+    def submit(self, gens: list[Generation]) -> None:
+        """Queue the generations (429 when the queue is full); on failure none of them stays queued."""
+        try:
+            for gen in gens:
+                self.state.pool.submit(gen)
+        except APIError:
+            for gen in gens:
+                gen.cancel()
+            raise
+
     async def events(self, gen: Generation, request: Request | None = None) -> AsyncIterator[Event]:
-        """Submit `gen` and yield its events until done; leaving early (disconnect, error) cancels it.
+        """Yield a submitted generation's events until done; leaving early (disconnect, error) cancels it.
 
         With `request` given, a client that goes away is noticed while waiting, for non-streaming responses.
         """
-        self.state.worker.submit(gen)
         loop = asyncio.get_running_loop()
         next_poll = loop.time() + DISCONNECT_POLL_S
         try:
@@ -143,10 +152,10 @@ class OpenAIServing:
         finally:
             gen.cancel()
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> Usage:
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
         return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens,
-                     prompt_tokens_details={"cached_tokens": 0})
+                     prompt_tokens_details={"cached_tokens": cached_tokens})
 
     def token_text(self, token: int) -> str:
         """A token's text for logprobs; bytes that are not whole UTF-8 characters are shown escaped."""

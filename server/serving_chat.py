@@ -35,6 +35,7 @@ class ChatServing(OpenAIServing):
         params = self.sampling_params(req, req.logprobs, req.top_logprobs or 0)
         rid = request_id("chatcmpl")
         gen = self.new_generation(req, ids, params, max_tokens, rid)
+        self.submit([gen])
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return sse_response(self._stream(gen, req.model, include_usage))
@@ -66,7 +67,7 @@ class ChatServing(OpenAIServing):
                 logprobs[event.index] += event.logprobs or []
                 finish[event.index] = event.finish_reason or finish[event.index]
             elif isinstance(event, GenerationDone):
-                usage = self.usage(event.prompt_tokens, event.completion_tokens)
+                usage = self.usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
         if usage is None:  # the client went away; nobody reads this
             raise APIError(499, "client closed request")
         choices = [ChatChoice(index=i, message=ResponseMessage(content=texts[i]), finish_reason=finish[i],
@@ -107,7 +108,7 @@ class ChatServing(OpenAIServing):
                     if event.finish_reason is not None:
                         yield chunk([choice(i, {}, pending[i] if pending[i] else None, event.finish_reason)])
                 elif isinstance(event, GenerationDone) and include_usage:
-                    usage = self.usage(event.prompt_tokens, event.completion_tokens).model_dump()
+                    usage = self.usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens).model_dump()
                     yield chunk([], usage, last=True)
         except APIError as e:
             yield sse_error(e)

@@ -66,6 +66,7 @@ class CompletionServing(OpenAIServing):
         gens = [self.new_generation(req, p.ids, params, self.max_tokens(len(p.ids), req.max_tokens), rid,
                                     prompt_logprobs=top_n if req.echo and top_n is not None else None)
                 for p in prompts]
+        self.submit(gens)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return sse_response(self._stream(gens, prompts, req, include_usage))
@@ -104,7 +105,7 @@ class CompletionServing(OpenAIServing):
     async def _complete(self, gens: list[Generation], prompts: list[_Prompt], req: CompletionRequest,
                         request: Request) -> CompletionResponse:
         choices: list[CompletionChoice] = []
-        prompt_tokens = completion_tokens = 0
+        prompt_tokens = completion_tokens = cached_tokens = 0
         for gen, prompt in zip(gens, prompts):
             # Echo without logprobs needs no prompt pass: the prompt text opens each choice directly.
             texts = [self._choice_start(prompt, req.echo and gen.prompt_logprobs is None, None, None)] * gen.n
@@ -124,6 +125,7 @@ class CompletionServing(OpenAIServing):
                 elif isinstance(event, GenerationDone):
                     prompt_tokens += event.prompt_tokens
                     completion_tokens += event.completion_tokens
+                    cached_tokens += event.cached_tokens
                     done = True
             if not done:
                 raise APIError(499, "client closed request")
@@ -131,7 +133,7 @@ class CompletionServing(OpenAIServing):
             choices += [CompletionChoice(index=base + i, text=texts[i], finish_reason=finish[i],
                                          logprobs=builders[i].take() if builders else None) for i in range(gen.n)]
         return CompletionResponse(id=gens[0].request_id, model=req.model, choices=choices,
-                                  usage=self.usage(prompt_tokens, completion_tokens),
+                                  usage=self.usage(prompt_tokens, completion_tokens, cached_tokens),
                                   system_fingerprint=self.state.fingerprint)
 
     async def _stream(self, gens: list[Generation], prompts: list[_Prompt], req: CompletionRequest,
@@ -150,7 +152,7 @@ class CompletionServing(OpenAIServing):
             lp = builder.take().model_dump() if builder is not None else None
             return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
 
-        prompt_tokens = completion_tokens = base = 0
+        prompt_tokens = completion_tokens = cached_tokens = base = 0
         try:
             for gen, prompt in zip(gens, prompts):
                 builders = [_LogprobsBuilder(self) for _ in range(gen.n)] if req.logprobs is not None else None
@@ -176,9 +178,10 @@ class CompletionServing(OpenAIServing):
                     elif isinstance(event, GenerationDone):
                         prompt_tokens += event.prompt_tokens
                         completion_tokens += event.completion_tokens
+                        cached_tokens += event.cached_tokens
                 base += gen.n
             if include_usage:
-                yield chunk([], self.usage(prompt_tokens, completion_tokens).model_dump())
+                yield chunk([], self.usage(prompt_tokens, completion_tokens, cached_tokens).model_dump())
         except APIError as e:
             yield sse_error(e)
         yield DONE

@@ -5,8 +5,9 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..kv_cache import KVCache
-from ..layers import Attention, ForwardBatch, GatedMLP, RMSNorm
+from ..batch import ForwardBatch
+from ..kv_cache import PagedKVCache
+from ..layers import Attention, GatedMLP, RMSNorm
 
 
 class Gemma3Block(nn.Module):
@@ -21,6 +22,6 @@ class Gemma3Block(nn.Module):
         self.mlp = GatedMLP(cfg)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), batch, cache))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))

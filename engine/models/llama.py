@@ -5,8 +5,9 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..kv_cache import KVCache
-from ..layers import Attention, ForwardBatch, GatedMLP, RMSNorm
+from ..batch import ForwardBatch
+from ..kv_cache import PagedKVCache
+from ..layers import Attention, GatedMLP, RMSNorm
 
 
 class LlamaBlock(nn.Module):
@@ -19,6 +20,6 @@ class LlamaBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = GatedMLP(cfg)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), batch, cache)
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -32,7 +32,7 @@ def test_decode_uses_cache_and_matches_full_forward(smollm: Runner) -> None:
     ids = smollm.tokenizer.encode("def fibonacci(n):")
     assert ids == [1604, 3987, 46477, 24, 94, 727]
     seen_lengths: list[int] = []
-    hook = smollm.model.register_forward_pre_hook(lambda _m, args: seen_lengths.append(args[0].shape[1]))
+    hook = smollm.model.register_forward_pre_hook(lambda _m, args: seen_lengths.append(args[0].ids.shape[0]))
     try:
         tokens = smollm.generate(ids, 12)
     finally:

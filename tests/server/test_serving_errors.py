@@ -1,8 +1,8 @@
 """Failures inside the worker, in-process: the real app and runner, with the runner made to fail mid-generation.
 
 Over HTTP there is no way to make the worker fail, so the app runs here behind httpx's ASGI transport, with
-`load_runner` patched to hand it the session's SmolLM2 runner and `decode_logits` patched to raise after a few
-tokens. A failure after the stream started must arrive as a `data: {"error": ...}` event, then `data: [DONE]`;
+`load_runner` patched to hand it the session's SmolLM2 runner and its batched `step` patched to raise after a
+few forward passes. A failure after the stream started must arrive as a `data: {"error": ...}` event, then `data: [DONE]`;
 before the response started, as a 500 envelope; never with a traceback; and the worker must keep serving.
 """
 from __future__ import annotations
@@ -23,25 +23,25 @@ from server.settings import Settings
 
 MODEL = "smollm2-135m"
 SECRET = "boom-secret-internal-detail"
-FAIL_AFTER = 3  # decode steps that succeed before the failure
+FAIL_AFTER = 3  # forward passes (the prefill, then decode steps) that succeed before the failure
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Count to fifty."}], "max_tokens": 12,
         "ignore_eos": True, "temperature": 0}
 COMPLETION = {"model": MODEL, "prompt": "One, two, three,", "max_tokens": 12, "ignore_eos": True, "temperature": 0}
 
 
 class Failure:
-    """Makes the runner's `decode_logits` raise `exc` after FAIL_AFTER calls while `on`."""
+    """Makes the runner's `step` raise `exc` after FAIL_AFTER calls while `on`."""
 
     def __init__(self, runner: Runner, exc: Exception) -> None:
-        self.real = runner.decode_logits
+        self.real = runner.step
         self.exc, self.on, self.calls, self.raised = exc, True, 0, 0
 
-    def __call__(self, token: int):
+    def __call__(self, rows):
         self.calls += 1
         if self.on and self.calls > FAIL_AFTER:
             self.raised += 1
             raise self.exc
-        return self.real(token)
+        return self.real(rows)
 
 
 @pytest.fixture
@@ -50,7 +50,7 @@ def failing(smollm: Runner, monkeypatch: pytest.MonkeyPatch) -> Callable[[Except
 
     def install(exc: Exception) -> Failure:
         failure = Failure(smollm, exc)
-        monkeypatch.setattr(smollm, "decode_logits", failure)
+        monkeypatch.setattr(smollm, "step", failure)
         return failure
 
     return install
@@ -114,10 +114,10 @@ def test_failure_mid_stream_is_an_error_event_then_done(failing, path: str, body
         assert ok.status_code == 200, ok.text
         assert ok.json()["usage"]["completion_tokens"] == body["max_tokens"]
         for _ in range(200):  # the worker marks itself idle just after its last event
-            if app.state.model.worker.running == 0:
+            if app.state.model.pool.running == 0:
                 break
             await asyncio.sleep(0.01)
-        assert app.state.model.worker.running == 0
+        assert app.state.model.pool.running == 0
 
     run_app(scenario)
 

@@ -1,0 +1,115 @@
+"""`ForwardBatch`: the rows of one forward pass (prefill chunks and decode tokens of many sequences), flattened.
+
+All new tokens of all rows form one [N] sequence for the projections and MLPs, the bulk of the work. Attention
+is per row: rows with one new token form one batched decode group reading their keys through the block tables;
+each longer chunk (a prefill) attends on its own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .block_manager import KVSequence
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """Compute tokens [start, end) of `seq`; `logits`: "last" (next-token logits), "all" (every position), "none"."""
+
+    seq: KVSequence
+    start: int
+    end: int
+    logits: str = "last"
+
+
+@dataclass
+class DecodeGroup:
+    token_index: torch.Tensor          # [Bd] where the rows' tokens sit in the flat batch
+    key_slots: torch.Tensor            # [Bd, L] cache slots of every key each row sees (padded with a valid slot)
+    full_mask: torch.Tensor | None     # [Bd, 1, 1, L] bool; None when every key of every row is visible
+    sliding_mask: torch.Tensor | None
+
+
+@dataclass
+class PrefillRow:
+    begin: int                         # the chunk's tokens are [begin, end) of the flat batch
+    end: int
+    key_slots: torch.Tensor | None     # cache slots of keys 0..last position; None: a fresh sequence (use own k, v)
+    full_mask: torch.Tensor | None     # [1, 1, T, L] bool; None: plain causal
+    sliding_mask: torch.Tensor | None
+
+
+@dataclass
+class ForwardBatch:
+    ids: torch.Tensor                  # [N]
+    positions: torch.Tensor            # [N]
+    slots: torch.Tensor                # [N] cache slot each new token's key/value is written to
+    logit_index: torch.Tensor          # [R] flat positions whose logits are returned
+    decode: DecodeGroup | None = None
+    prefills: list[PrefillRow] = field(default_factory=list)
+    rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+def _slots(seq: KVSequence, start: int, end: int, block_size: int) -> list[int]:
+    table = seq.block_table
+    return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+def _mask(q_pos: torch.Tensor, kv_len: int, window: int | None) -> torch.Tensor:
+    """[rows, T, kv_len] bool: key j visible to a query at position p if j <= p (and p - j < window)."""
+    keys = torch.arange(kv_len, device=q_pos.device)
+    q = q_pos.unsqueeze(-1)
+    mask = keys <= q
+    if window is not None:
+        mask &= keys > q - window
+    return mask
+
+
+def build_batch(rows: list[StepRow], block_size: int, window: int | None, device: torch.device) -> ForwardBatch:
+    """Lay out `rows` as one flat forward pass; `window` is the sliding-window size (None: no sliding layers)."""
+    ids, positions, slots, logit_index = [], [], [], []
+    decode_rows: list[tuple[int, StepRow]] = []
+    prefill_rows: list[tuple[int, StepRow]] = []
+    for row in rows:
+        begin = len(ids)
+        ids += row.seq.tokens[row.start:row.end]
+        positions += range(row.start, row.end)
+        slots += _slots(row.seq, row.start, row.end, block_size)
+        if row.logits == "all":
+            logit_index += range(begin, len(ids))
+        elif row.logits == "last":
+            logit_index.append(len(ids) - 1)
+        (decode_rows if row.end - row.start == 1 else prefill_rows).append((begin, row))
+
+    def tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    batch = ForwardBatch(tensor(ids), tensor(positions), tensor(slots), tensor(logit_index))
+    if decode_rows:
+        lengths = [row.end for _, row in decode_rows]
+        longest = max(lengths)
+        # Padding repeats a row's own first slot: it is masked out, and never an unwritten (garbage) slot.
+        key_slots = []
+        for _, row in decode_rows:
+            own = _slots(row.seq, 0, row.end, block_size)
+            key_slots.append(own + [own[0]] * (longest - row.end))
+        q_pos = tensor([n - 1 for n in lengths]).unsqueeze(1)
+        ragged = len(set(lengths)) > 1
+        full = _mask(q_pos, longest, None).unsqueeze(1) if ragged else None
+        sliding = None
+        if window is not None and longest > window:
+            sliding = _mask(q_pos, longest, window).unsqueeze(1)
+        batch.decode = DecodeGroup(tensor([b for b, _ in decode_rows]), tensor(key_slots), full,
+                                   sliding if sliding is not None else full)
+    for begin, row in prefill_rows:
+        t = row.end - row.start
+        fresh = row.start == 0
+        key_slots = None if fresh else tensor(_slots(row.seq, 0, row.end, block_size))
+        q_pos = tensor(list(range(row.start, row.end))).unsqueeze(0)
+        full = None if fresh else _mask(q_pos, row.end, None).unsqueeze(1)
+        sliding = full
+        if window is not None and row.end > window:
+            sliding = _mask(q_pos, row.end, window).unsqueeze(1)
+        batch.prefills.append(PrefillRow(begin, begin + t, key_slots, full, sliding))
+    return batch

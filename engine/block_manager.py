@@ -1,0 +1,183 @@
+"""`BlockManager`: the paged KV cache's bookkeeping: fixed-size blocks, reference counts, prefix hashing, LRU eviction.
+
+A sequence's keys and values live in blocks of `block_size` tokens listed in its block table. Blocks are shared
+by reference count (session snapshots, prompts with a common prefix); a full block is registered in the prefix
+cache under a hash chained over all the tokens before it, so a later sequence with the same prefix reuses it.
+Unreferenced registered blocks stay cached until the pool runs short, then are evicted least recently used first.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .errors import EngineError
+
+
+class NoFreeBlocks(EngineError):
+    """The KV pool cannot hold what was asked for, even after evicting every unreferenced cached block."""
+
+
+@dataclass
+class KVSequence:
+    """One sequence's place in the paged cache: its tokens, its block table, and how much of it is computed."""
+
+    tokens: list[int]
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0   # leading tokens whose keys/values are in the cache
+    num_cached: int = 0     # of those, how many came from the prefix cache when the sequence started
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of its leading full blocks
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens whose keys/values are still to be computed."""
+        return len(self.tokens) - self.num_computed
+
+
+class BlockManager:
+    """Allocates the blocks of a fixed pool to sequences; not thread-safe (one worker thread owns it)."""
+
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
+        self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
+        self.refcount = [0] * num_blocks
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._evictable: OrderedDict[int, None] = OrderedDict()      # cached, unreferenced; oldest first
+        self._hash_of: dict[int, int] = {}                           # block → its prefix hash
+        self._tokens_of: dict[int, tuple[int, ...]] = {}             # block → the tokens it holds (hit check)
+        self._block_of: dict[int, int] = {}                          # prefix hash → block
+        self.hits = self.queries = 0                                 # prefix-cache tokens found / looked up
+
+    # ---- capacity ----
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out now (free or evictable)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    def blocks_needed(self, seq: KVSequence, total_tokens: int) -> int:
+        """New blocks `seq` needs to hold `total_tokens` tokens."""
+        return max(0, -(-total_tokens // self.block_size) - len(seq.block_table))
+
+    def can_allocate(self, seq: KVSequence, total_tokens: int, reserve: int = 0) -> bool:
+        return self.blocks_needed(seq, total_tokens) + reserve <= self.num_free
+
+    def _take(self) -> int:
+        if self._free:
+            block = self._free.pop()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            self._unregister(block)
+        self.refcount[block] = 1
+        return block
+
+    def allocate(self, seq: KVSequence, total_tokens: int) -> None:
+        """Grow the block table to hold `total_tokens` tokens; all or nothing."""
+        need = self.blocks_needed(seq, total_tokens)
+        if need > self.num_free:
+            raise NoFreeBlocks(f"KV cache full: {need} blocks needed, {self.num_free} free of {self.num_blocks}")
+        seq.block_table.extend(self._take() for _ in range(need))
+
+    def _decref(self, block: int) -> None:
+        self.refcount[block] -= 1
+        if self.refcount[block] == 0:
+            if block in self._hash_of:
+                self._evictable[block] = None
+            else:
+                self._free.append(block)
+
+    def release(self, seq: KVSequence) -> None:
+        """Give back every block of `seq`; it keeps its tokens and can be started again from nothing."""
+        for block in seq.block_table:
+            self._decref(block)
+        seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
+
+    def release_blocks(self, blocks: Sequence[int]) -> None:
+        for block in blocks:
+            self._decref(block)
+
+    def share(self, seq: KVSequence, length: int) -> KVSequence:
+        """A new sequence holding the first `length` computed tokens of `seq`, sharing its blocks (no copy)."""
+        if length > seq.num_computed:
+            raise ValueError(f"cannot share {length} tokens of a sequence with {seq.num_computed} computed")
+        blocks = seq.block_table[:-(-length // self.block_size)] if length else []
+        for block in blocks:
+            self.refcount[block] += 1
+        full = length // self.block_size
+        return KVSequence(list(seq.tokens[:length]), list(blocks), length, length, seq.block_hashes[:full])
+
+    # ---- writing ----
+    def prepare_write(self, seq: KVSequence, start: int, end: int) -> list[tuple[int, int]]:
+        """Make the blocks holding positions [start, end) private to `seq`: (source, copy) block pairs to copy.
+
+        A shared block, or one registered in the prefix cache, must not change under its other users: writing
+        into it first moves the sequence to a private copy (copy-on-write).
+        """
+        copies = []
+        for i in range(start // self.block_size, -(-end // self.block_size)):
+            block = seq.block_table[i]
+            if self.refcount[block] > 1 or block in self._hash_of:
+                if not self.num_free:
+                    raise NoFreeBlocks("KV cache full: no block for a copy-on-write")
+                fresh = self._take()
+                copies.append((block, fresh))
+                self._decref(block)
+                seq.block_table[i] = fresh
+        return copies
+
+    # ---- prefix cache ----
+    def _chain(self, prev: int | None, tokens: tuple[int, ...]) -> int:
+        return hash((prev, tokens))
+
+    def _unregister(self, block: int) -> None:
+        h = self._hash_of.pop(block, None)
+        self._tokens_of.pop(block, None)
+        if h is not None and self._block_of.get(h) == block:
+            del self._block_of[h]
+
+    def commit(self, seq: KVSequence) -> None:
+        """Register the sequence's newly completed full blocks in the prefix cache."""
+        bs = self.block_size
+        while len(seq.block_hashes) < seq.num_computed // bs:
+            i = len(seq.block_hashes)
+            tokens = tuple(seq.tokens[i * bs:(i + 1) * bs])
+            h = self._chain(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
+            seq.block_hashes.append(h)
+            block = seq.block_table[i]
+            if self.prefix_caching and h not in self._block_of and block not in self._hash_of:
+                self._block_of[h], self._hash_of[block], self._tokens_of[block] = block, h, tokens
+
+    def match_prefix(self, seq: KVSequence, max_tokens: int) -> int:
+        """Attach the longest cached prefix (whole blocks, at most `max_tokens` tokens) to an empty `seq`."""
+        if seq.block_table:
+            raise ValueError("match_prefix needs a sequence without blocks")
+        bs, prev, found = self.block_size, None, 0
+        if self.prefix_caching:
+            for i in range(min(max_tokens, len(seq.tokens)) // bs):
+                tokens = tuple(seq.tokens[i * bs:(i + 1) * bs])
+                h = self._chain(prev, tokens)
+                block = self._block_of.get(h)
+                if block is None or self._tokens_of[block] != tokens:  # a miss, or a hash collision
+                    break
+                if self.refcount[block] == 0:
+                    del self._evictable[block]
+                self.refcount[block] += 1
+                seq.block_table.append(block)
+                seq.block_hashes.append(h)
+                prev, found = h, found + bs
+        self.queries += len(seq.tokens)
+        self.hits += found
+        seq.num_computed = seq.num_cached = found
+        return found
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (unreferenced cached blocks become free)."""
+        for block in list(self._hash_of):
+            self._unregister(block)
+        while self._evictable:
+            block, _ = self._evictable.popitem(last=False)
+            self._free.append(block)
