@@ -7,6 +7,8 @@ Unreferenced registered blocks stay cached until the pool runs short, then are e
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -92,7 +94,8 @@ class BlockManager:
 
     def release(self, seq: KVSequence) -> None:
         """Give back every block of `seq`; it keeps its tokens and can be started again from nothing."""
-        for block in seq.block_table:
+        # Last block first: eviction then takes a chain's tail before its head, keeping the prefix matchable.
+        for block in reversed(seq.block_table):
             self._decref(block)
         seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
 
@@ -131,7 +134,11 @@ class BlockManager:
 
     # ---- prefix cache ----
     def _chain(self, prev: int | None, tokens: tuple[int, ...]) -> int:
-        return hash((prev, tokens))
+        # A cryptographic hash: Python's hash() of int tuples is the same in every process, so a crafted prompt
+        # could collide with another user's chain and be served their keys and values.
+        digest = hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16,
+                                 key=(prev or 0).to_bytes(16, "little")).digest()
+        return int.from_bytes(digest, "little")
 
     def _unregister(self, block: int) -> None:
         h = self._hash_of.pop(block, None)

@@ -80,3 +80,30 @@ class Generation:
     @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
+
+
+def _deliver(batch: list[tuple[Generation, Event]]) -> None:
+    for gen, event in batch:
+        gen.events.put_nowait(event)
+
+
+class EventBatch:
+    """Events of one scheduler step, handed to each event loop in a single wake-up rather than one per token.
+
+    On a small machine every cross-thread wake-up of the event loop competes with the model's threads for the
+    cores; one per step instead of one per token and sequence keeps that cost flat as the batch grows.
+    """
+
+    def __init__(self) -> None:
+        self._events: list[tuple[Generation, Event]] = []
+
+    def emit(self, gen: Generation, event: Event) -> None:
+        self._events.append((gen, event))
+
+    def flush(self) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Generation, Event]]] = {}
+        for gen, event in self._events:
+            by_loop.setdefault(gen.loop, []).append((gen, event))
+        self._events = []
+        for loop, batch in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, batch)

@@ -44,9 +44,7 @@ async def health(request: Request) -> JSONResponse:
     state: ModelState | None = request.app.state.model
     if state is None:
         return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": LOADING_RETRY_AFTER_S})
-    pool = state.pool
-    return JSONResponse({"status": "ok", "model": state.model_id, "running": pool.running,
-                         "queued": pool.queued, "generated_tokens": pool.generated_tokens})
+    return JSONResponse({"status": "ok", "model": state.model_id, **state.pool.stats()})
 
 
 @router.get("/v1/models", response_model=ModelList)

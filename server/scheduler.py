@@ -17,7 +17,7 @@ from engine import Runner
 from engine.batch import StepRow
 from engine.block_manager import KVSequence
 
-from .generation import ChoiceDelta, Generation, GenerationDone, PromptLogprobs, TokenLogprob
+from .generation import ChoiceDelta, EventBatch, Generation, GenerationDone, PromptLogprobs, TokenLogprob
 from .sampling import SequenceSampler, sample_batch
 from .stopping import StopChecker
 
@@ -54,6 +54,7 @@ class Scheduler:
         self._gens: dict[Generation, _GenState] = {}
         self.generated_tokens = 0
         self.preemptions = 0
+        self.events = EventBatch()
 
     @property
     def num_generations(self) -> int:
@@ -84,6 +85,7 @@ class Scheduler:
 
     def fail_all(self) -> list[Generation]:
         """Free every generation after a failed step; returns them so the caller can report the error."""
+        self.events.flush()  # what the step produced before failing goes out first
         gens = list(self._gens)
         for gen in gens:
             self._drop(gen)
@@ -169,6 +171,7 @@ class Scheduler:
                 self._collect_prompt_logprobs(unit, row, chunk)
             finished_rows.append((unit, chunk[-1]))
         self._sample(finished_rows)
+        self.events.flush()
 
     def _collect_prompt_logprobs(self, unit: Unit, row: StepRow, logits: torch.Tensor) -> None:
         """Logprobs of prompt tokens row.start+1 .. row.end-1 given their prefixes (row i predicts token i+1)."""
@@ -188,7 +191,7 @@ class Scheduler:
         """Turn a computed prompt into its `n` choices, sharing the prompt's blocks."""
         gen, state = unit.gen, self._gens[unit.gen]
         if gen.prompt_logprobs is not None:
-            gen.emit(PromptLogprobs(unit.prompt_logprobs))
+            self.events.emit(gen, PromptLogprobs(unit.prompt_logprobs))
         choices = []
         for index in range(gen.n):
             kv = unit.kv if index == gen.n - 1 else self.runner.blocks.share(unit.kv, unit.kv.num_computed)
@@ -233,7 +236,7 @@ class Scheduler:
         self.generated_tokens += 1
         update = unit.stopper.push(token)
         logprobs = [TokenLogprob(token, logprob, top or [])] if gen.params.logprobs else None
-        gen.emit(ChoiceDelta(unit.choice, update.text, [token], logprobs, update.finish_reason))
+        self.events.emit(gen, ChoiceDelta(unit.choice, update.text, [token], logprobs, update.finish_reason))
         if update.finish_reason is None:
             unit.kv.tokens.append(token)
             return
@@ -248,13 +251,13 @@ class Scheduler:
         """max_tokens 0 (echo only): every choice ends at once with no tokens."""
         gen = unit.gen
         if gen.prompt_logprobs is not None:
-            gen.emit(PromptLogprobs(unit.prompt_logprobs))
+            self.events.emit(gen, PromptLogprobs(unit.prompt_logprobs))
         for index in range(gen.n):
-            gen.emit(ChoiceDelta(index, "", [], [] if gen.params.logprobs else None, "length"))
+            self.events.emit(gen, ChoiceDelta(index, "", [], [] if gen.params.logprobs else None, "length"))
         self.running.remove(unit)
         self.runner.free_sequence(unit.kv)
         self._done(gen)
 
     def _done(self, gen: Generation) -> None:
         state = self._gens.pop(gen)
-        gen.emit(GenerationDone(state.prompt_tokens, state.completion_tokens, state.cached_tokens))
+        self.events.emit(gen, GenerationDone(state.prompt_tokens, state.completion_tokens, state.cached_tokens))

@@ -118,3 +118,12 @@ class WorkerPool:
     @property
     def generated_tokens(self) -> int:
         return sum(w.generated_tokens for w in self.workers)
+
+    def stats(self) -> dict[str, int]:
+        """Load and KV-cache figures summed over the workers (cached but unreferenced blocks count as free)."""
+        blocks = [w.runner.blocks for w in self.workers]
+        return {"running": self.running, "queued": self.queued, "generated_tokens": self.generated_tokens,
+                "kv_blocks_total": sum(b.num_blocks for b in blocks), "kv_blocks_used": sum(b.num_used for b in blocks),
+                "prefix_cache_queried_tokens": sum(b.queries for b in blocks),
+                "prefix_cache_hit_tokens": sum(b.hits for b in blocks),
+                "preemptions": sum(w.scheduler.preemptions for w in self.workers)}

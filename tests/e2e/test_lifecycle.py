@@ -2,7 +2,6 @@
 never runs the model, start-up failures that exit cleanly, and the command line."""
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import threading
@@ -18,16 +17,7 @@ MODEL = "smollm2-135m"  # the model the session `server` fixture serves
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _e2e_conftest() -> Any:
-    """tests/e2e/conftest.py's helpers; loaded by path, as `import conftest` may find another directory's."""
-    spec = importlib.util.spec_from_file_location("_emberserve_e2e_helpers", Path(__file__).with_name("conftest.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-helpers = _e2e_conftest()
+import server_process as helpers  # noqa: E402
 LONG = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long story about the sea."}],
         "max_tokens": 2000, "ignore_eos": True}
 

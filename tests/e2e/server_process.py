@@ -1,0 +1,67 @@
+"""Starting and stopping a real emberserve process on a free 127.0.0.1 port, for the e2e tests."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+MODEL = "smollm2-135m"
+STARTUP_TIMEOUT_S = 120
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    process: subprocess.Popen
+    base_url: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def start_server(tmp: Path, *args: str, wait: bool = True) -> ServerProcess:
+    """Start `python -m server serve` on a free port; with `wait`, return once /health answers 200."""
+    port = free_port()
+    log_path = tmp / f"server-{port}.log"
+    cmd = [sys.executable, "-m", "server", "serve", "--port", str(port), *args]
+    proc = subprocess.Popen(cmd, stdout=log_path.open("wb"), stderr=subprocess.STDOUT,
+                            cwd=Path(__file__).resolve().parents[2], env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    server = ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)
+    if wait:
+        wait_ready(server)
+    return server
+
+
+def wait_ready(server: ServerProcess, timeout: float = STARTUP_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"server not ready after {timeout}s:\n{server.log()}")
+
+
+def stop_server(server: ServerProcess) -> None:
+    server.process.terminate()
+    try:
+        server.process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+        server.process.wait()
