@@ -16,16 +16,16 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 class PagedKVCache:
     """Keys and values as [num_blocks * block_size, kv_heads, head_dim] per layer.
 
-    Token slot `b * block_size + i` is position i of block b. Memory is reserved with `torch.empty`, so pages are
-    only touched (and counted in RSS) once used; nothing reads a slot before it is written.
+    Token slot `b * block_size + i` is position i of block b. The pool is committed up front (zeroed), so the
+    process's memory is what it will be under full load from the start, never growing with the requests served.
     """
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [N, kv_heads, head_dim] at token `slots` [N]."""

@@ -18,7 +18,8 @@ from .tokenizer import Tokenizer
 from .weights.gguf import load_gguf
 from .weights.safetensors import load_safetensors_dir
 
-DEFAULT_CPU_KV_MEMORY = 1 << 30
+DEFAULT_CPU_KV_MEMORY = 512 << 20
+CPU_POOL_CONTEXTS, GPU_POOL_CONTEXTS = 4, 256
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 
@@ -72,18 +73,18 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def kv_cache_tokens(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, context: int,
                     memory: int | None) -> int:
-    """How many tokens the KV pool holds: `memory` bytes, else a default budget, never less than one context.
+    """How many tokens the KV pool holds: `memory` bytes if given.
 
-    CPU default: 1 GiB (pages are touched only as they fill). Accelerators: 90% of the memory left free.
+    Default: on CPU 512 MiB, on an accelerator 90% of its free memory; either way no more than a few full
+    contexts' worth (a tiny model needs no gigabytes), since the pool is committed up front.
     """
     per_token = kv_bytes_per_token(cfg, dtype)
     if memory is None:
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
-            memory = int(free * 0.9)
+            memory = min(int(free * 0.9), GPU_POOL_CONTEXTS * context * per_token)
         else:
-            memory = DEFAULT_CPU_KV_MEMORY
-        return max(context, memory // per_token)
+            memory = min(DEFAULT_CPU_KV_MEMORY, CPU_POOL_CONTEXTS * context * per_token)
     if memory // per_token < 1:
         raise ValueError(f"kv cache memory of {memory} bytes holds no token ({per_token} bytes per token)")
     return memory // per_token
@@ -122,7 +123,7 @@ def load_runner(source: str | os.PathLike[str], device: str | torch.device = "cp
         tokenizer.set_chat_template(template)
     model = _materialise(cfg, state, device, dtype, str(path))
     _rebuild_buffers(model, device, freq_factors)
-    context = min(max_context or cfg.max_position, cfg.max_position)
+    context = max_context or cfg.max_position
     return Runner(model, tokenizer, name=name if known else path.name, device=device, dtype=dtype,
                   max_context=max_context, generation_defaults=defaults, prefix_caching=prefix_caching,
                   kv_cache_tokens=kv_cache_tokens(cfg, dtype, device, context, kv_cache_memory))

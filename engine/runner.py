@@ -1,6 +1,7 @@
 """`Runner`: the host-driven loop over one decoder: batched steps over the paged KV cache, and a single session."""
 from __future__ import annotations
 
+import logging
 import queue
 import weakref
 from collections.abc import Callable, Sequence
@@ -16,6 +17,8 @@ from .errors import ContextLengthError
 from .kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
 from .models import DecoderModel
 from .tokenizer import Tokenizer
+
+log = logging.getLogger("emberserve.engine")
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,6 +53,11 @@ class Runner:
         self.context_size = max_context or trained
         self.generation_defaults = dict(generation_defaults or {})
         num_blocks = -(-(kv_cache_tokens or self.context_size) // block_size)
+        if num_blocks * block_size < self.context_size:
+            # One sequence can never outgrow the pool: a smaller pool caps the context, and says so.
+            log.warning("the KV cache holds %d tokens, fewer than the context of %d: capping the context",
+                        num_blocks * block_size, self.context_size)
+            self.context_size = num_blocks * block_size
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
         self.cache = PagedKVCache(self.config, num_blocks, block_size, dtype, device)
         self._session: KVSequence | None = None

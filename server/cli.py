@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-batched-tokens", type=_positive, default=Settings.max_batched_tokens,
                        help="tokens per forward pass; longer prompts are prefilled in chunks")
     serve.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
-                       help="memory for the paged KV cache, e.g. 512MiB (default: 1GiB on CPU, 90%% free on GPU)")
+                       help="memory for the paged KV cache, e.g. 1GiB (default: 512MiB on CPU, 90%% of free GPU memory)")
     serve.add_argument("--no-prefix-cache", action="store_true", help="do not reuse cached prompt prefixes")
     serve.set_defaults(func=_serve)
     add_commands(sub)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from engine.batch import StepRow
+from engine.errors import ContextLengthError
 from engine.block_manager import NoFreeBlocks
 from engine.kv_cache import kv_bytes_per_token
 from tiny_models import assert_logits_close, hf_logits
@@ -406,14 +407,13 @@ def test_no_free_blocks_leaves_the_runner_working(tiny, variant):
     runner, model = tiny(variant, blocks=4)  # 64 tokens
     bm = runner.blocks
     v = runner.vocab_size
-    # one sequence too long for the pool
-    big = runner.new_sequence(rand_ids(70, 14, v))
-    with pytest.raises(NoFreeBlocks, match="KV cache full"):
-        runner.step([StepRow(big, 0, 70)])
-    assert bm.num_used == 0 and big.block_table == [] and big.num_computed == 0
-    runner.free_sequence(big)
-    with pytest.raises(NoFreeBlocks):
+    # a pool smaller than the model's context caps the context: one sequence can never outgrow the pool
+    assert runner.context_size == 64
+    with pytest.raises(ContextLengthError, match="70 tokens exceeds the context size of 64"):
+        runner.new_sequence(rand_ids(70, 14, v))
+    with pytest.raises(ContextLengthError):
         runner.prefill_logits(rand_ids(70, 14, v))
+    assert bm.num_used == 0
     small = rand_ids(30, 15, v)
     assert_logits_close(runner.prefill_logits(small), hf_logits(model, small)[-1], f"{variant}: after NoFreeBlocks")
     runner.reset_session()
@@ -435,12 +435,15 @@ def test_no_free_blocks_leaves_the_runner_working(tiny, variant):
     runner.free_sequence(b)
 
     # a session decoding into a full pool: the failed token is not kept, the session goes on after a free
-    session = rand_ids(64, 18, v)
-    runner.prefill_logits(session)
+    session = rand_ids(48, 18, v)
+    runner.prefill_logits(session)                          # 3 full blocks
+    other = runner.new_sequence(rand_ids(10, 19, v), use_prefix_cache=False)
+    runner.step([StepRow(other, 0, 10)])                     # the 4th block
     assert bm.num_free == 0
     with pytest.raises(NoFreeBlocks):
         runner.decode_logits(5)
     assert runner.tokens == session
+    runner.free_sequence(other)
     runner.restore_session(runner.export_session(), 40)  # drop the tail: 3 blocks
     assert_logits_close(runner.decode_logits(5), hf_logits(model, session[:40] + [5])[-1],
                         f"{variant}: session after NoFreeBlocks")
