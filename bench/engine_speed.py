@@ -28,7 +28,7 @@ def measure(model: str, prompt_tokens: int, decode_tokens: int, dtype: str | Non
     from engine import load_runner
 
     t0 = time.perf_counter()
-    runner = load_runner(model, dtype=dtype)
+    runner = load_runner(model, dtype=dtype, prefix_caching=False)  # measure real prefill, not cache hits
     load_s = time.perf_counter() - t0
     rss_loaded = _rss_mib()
     text = "The quick brown fox jumps over the lazy dog. " * 200

@@ -91,10 +91,10 @@ class Scheduler:
             self._drop(gen)
         return gens
 
-    def _preempt_newest(self, keep: Unit) -> bool:
-        """Free the blocks of the most recently admitted running sequence other than `keep`; False if none."""
+    def _preempt_newest(self, keep: Unit, scheduled: dict[Unit, int]) -> bool:
+        """Free the blocks of the most recently admitted running sequence not yet scheduled this step (nor `keep`)."""
         for unit in reversed(self.running):
-            if unit is not keep:
+            if unit is not keep and unit not in scheduled:
                 self.running.remove(unit)
                 self.runner.free_sequence(unit.kv)
                 self.waiting.appendleft(unit)
@@ -113,7 +113,7 @@ class Scheduler:
             if unit not in self.running or budget <= 0:
                 continue
             take = min(unit.kv.num_pending, budget)
-            while not blocks.can_allocate(unit.kv, unit.kv.num_computed + take) and self._preempt_newest(unit):
+            while not blocks.can_allocate(unit.kv, unit.kv.num_computed + take) and self._preempt_newest(unit, self._take):
                 pass
             if not blocks.can_allocate(unit.kv, unit.kv.num_computed + take):
                 self.running.remove(unit)  # even alone it does not fit now: wait for blocks
