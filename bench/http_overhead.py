@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
-import subprocess
-import sys
 import time
 
 import httpx
+from local_server import start_local_server
 
 MESSAGES = [{"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}]
 
@@ -67,12 +65,6 @@ def over_http(base_url: str, model: str, max_tokens: int, repeats: int) -> dict:
             "decode_tok_s": round(statistics.median(rates), 1)}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
@@ -84,17 +76,7 @@ def main() -> None:
     proc = None
     base_url = args.base_url
     if base_url is None:
-        port = _free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "server", "serve", "--model", args.model, "--port", str(port),
-                                 "--log-level", "warning"])
-        base_url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{base_url}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        proc, base_url = start_local_server("--model", args.model)
     try:
         results.append(over_http(base_url, args.model, args.max_tokens, args.repeats))
     finally:

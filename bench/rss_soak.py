@@ -10,12 +10,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
+from local_server import start_local_server
 
 
 def rss_mib(pid: int) -> float:
@@ -61,21 +59,8 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=100)
     parser.add_argument("serve_args", nargs="*", help="extra arguments for `server serve` (after --)")
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "server", "serve", "--port", str(port), "--log-level", "warning",
-                             *args.serve_args])
-    base_url = f"http://127.0.0.1:{port}"
+    proc, base_url = start_local_server(*args.serve_args)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{base_url}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
         start = rss_mib(proc.pid)
         t0 = time.perf_counter()
         samples = asyncio.run(soak(base_url, proc.pid, args.requests, args.concurrency, args.max_tokens, args.every))

@@ -1,0 +1,29 @@
+"""Start `python -m server serve` on a free 127.0.0.1 port for a benchmark, and wait until it is ready."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def start_local_server(*serve_args: str, timeout: float = 120) -> tuple[subprocess.Popen, str]:
+    """(the server process, its base URL) once /health answers 200; the caller terminates the process."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "server", "serve", "--port", str(port), "--log-level", "warning",
+                             *serve_args])
+    base_url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base_url}/health").status_code == 200:
+                return proc, base_url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.terminate()
+    raise RuntimeError(f"server not ready after {timeout}s")
