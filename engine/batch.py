@@ -29,6 +29,7 @@ class DecodeGroup:
     key_slots: torch.Tensor            # [Bd, L] cache slots of every key each row sees (padded with a valid slot)
     full_mask: torch.Tensor | None     # [Bd, 1, 1, L] bool; None when every key of every row is visible
     sliding_mask: torch.Tensor | None
+    whole_batch: bool = False          # the group is every token of the batch, in order (pure decode step)
 
 
 @dataclass
@@ -101,7 +102,7 @@ def build_batch(rows: list[StepRow], block_size: int, window: int | None, device
         if window is not None and longest > window:
             sliding = _mask(q_pos, longest, window).unsqueeze(1)
         batch.decode = DecodeGroup(tensor([b for b, _ in decode_rows]), tensor(key_slots), full,
-                                   sliding if sliding is not None else full)
+                                   sliding if sliding is not None else full, whole_batch=not prefill_rows)
     for begin, row in prefill_rows:
         t = row.end - row.start
         fresh = row.start == 0

@@ -87,14 +87,18 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write(self.layer, batch.slots, k, v)
         gqa = self.num_kv_heads != self.num_heads
-        out = torch.empty_like(q)
+        out = None
         if (group := batch.decode) is not None:
             keys, values = cache.gather(self.layer, group.key_slots)  # [Bd, kv_heads, L, D]
             mask = group.sliding_mask if self.sliding else group.full_mask
-            qd = q.index_select(0, group.token_index).unsqueeze(2)    # [Bd, heads, 1, D]
+            # A pure decode step (the common case) needs no picking of rows in and out of the flat batch.
+            qd = (q if group.whole_batch else q.index_select(0, group.token_index)).unsqueeze(2)  # [Bd, H, 1, D]
             o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=mask, scale=self.cfg.query_scale,
-                                               enable_gqa=gqa)
-            out.index_copy_(0, group.token_index, o.squeeze(2))
+                                               enable_gqa=gqa).squeeze(2)
+            if group.whole_batch:
+                return self.o_proj(o.reshape(n, -1))
+            out = torch.empty_like(q).index_copy_(0, group.token_index, o)
+        out = torch.empty_like(q) if out is None else out
         for row in batch.prefills:
             if row.key_slots is None:  # a fresh sequence: its keys are exactly the chunk's own
                 keys, values = k[row.begin:row.end].transpose(0, 1), v[row.begin:row.end].transpose(0, 1)
