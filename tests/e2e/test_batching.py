@@ -164,3 +164,23 @@ def test_full_queue_answers_429(tmp_path_factory: pytest.TempPathFactory) -> Non
         assert httpx.post(f"{srv.base_url}/v1/completions", json={**body, "max_tokens": 3}).status_code == 200
     finally:
         stop_server(srv)
+
+
+def test_two_workers_share_the_load(tmp_path_factory: pytest.TempPathFactory, base_url: str) -> None:
+    """--workers 2: two runners, each on its own thread, with twice the KV pool; concurrent requests answer as alone."""
+    srv = start_server(tmp_path_factory.mktemp("pool"), "--model", MODEL, "--workers", "2")
+    try:
+        one = _health(srv.base_url)
+        assert one["kv_blocks_total"] == 2 * _health(base_url)["kv_blocks_total"]
+        bodies = [_request(i) for i in range(0, 8, 2)]  # greedy
+
+        async def run(url: str, together: bool) -> list[str]:
+            async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+                if together:
+                    return list(await asyncio.gather(*(_stream(client, b) for b in bodies)))
+                return [await _stream(client, b) for b in bodies]
+
+        assert asyncio.run(run(srv.base_url, together=True)) == asyncio.run(run(base_url, together=False))
+        assert _wait_idle(srv.base_url)["generated_tokens"] == 4 * 24
+    finally:
+        stop_server(srv)
