@@ -54,8 +54,6 @@ class ModelConfig:
         if not self.layer_is_sliding:
             self.layer_is_sliding = [False] * self.num_layers
 
-    def rope_for_layer(self, layer: int) -> RopeConfig:
-        return self.local_rope if self.layer_is_sliding[layer] and self.local_rope else self.rope
 
 
 def _gemma3_layer_pattern(num_layers: int) -> list[bool]:

@@ -11,7 +11,7 @@ from .errors import APIError, invalid
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                        DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                        TokenizeResponse)
-from .serving import ModelState, check_model
+from .serving import ModelState, check_model, check_token_ids
 from .serving_chat import ChatServing
 from .serving_completions import CompletionServing
 
@@ -89,8 +89,5 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
 @router.post("/detokenize", response_model=DetokenizeResponse)
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     state = _state_for(request, body.model)
-    vocab = state.runner.vocab_size
-    bad = [t for t in body.tokens if not 0 <= t < vocab]
-    if bad:
-        raise invalid(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}", param="tokens")
+    check_token_ids(body.tokens, state.runner.vocab_size, "tokens")
     return DetokenizeResponse(prompt=await run_in_threadpool(state.runner.tokenizer.decode, body.tokens))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -37,6 +37,13 @@ def check_model(state: ModelState, name: str) -> None:
     if name != state.model_id:
         raise APIError(404, f"The model `{name}` does not exist; this server serves `{state.model_id}`.",
                        param="model", code="model_not_found")
+
+
+def check_token_ids(ids: Iterable[int], vocab_size: int, param: str) -> None:
+    """400 naming the first few ids outside [0, vocab_size)."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise invalid(f"{param} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", param=param)
 
 
 def request_id(prefix: str) -> str:
@@ -77,10 +84,7 @@ class OpenAIServing:
 
     def logit_bias(self, req: OpenAIRequest) -> dict[int, float]:
         bias = {int(k): float(v) for k, v in (req.logit_bias or {}).items()}
-        bad = [k for k in bias if not 0 <= k < self.runner.vocab_size]
-        if bad:
-            raise invalid(f"logit_bias has token ids outside the vocabulary [0, {self.runner.vocab_size}): "
-                          f"{bad[:5]}", param="logit_bias")
+        check_token_ids(bias, self.runner.vocab_size, "logit_bias")
         return bias
 
     def max_tokens(self, prompt_len: int, requested: int | None) -> int:

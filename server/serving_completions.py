@@ -12,7 +12,7 @@ from starlette.concurrency import run_in_threadpool
 from .errors import APIError, invalid
 from .generation import ChoiceDelta, Generation, GenerationDone, PromptLogprobs, TokenLogprob
 from .protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
-from .serving import OpenAIServing, request_id
+from .serving import OpenAIServing, check_token_ids, request_id
 from .sse import DONE, event_json, sse_error, sse_response
 
 
@@ -85,10 +85,7 @@ class CompletionServing(OpenAIServing):
             if isinstance(item, str):
                 prompts.append(_Prompt(self.tokenizer.encode(item), item))
                 continue
-            bad = [t for t in item if not 0 <= t < self.runner.vocab_size]
-            if bad:
-                raise invalid(f"prompt token ids outside the vocabulary [0, {self.runner.vocab_size}): {bad[:5]}",
-                              param="prompt")
+            check_token_ids(item, self.runner.vocab_size, "prompt")
             prompts.append(_Prompt(list(item), self.tokenizer.decode(item)))
         return prompts
 
