@@ -7,6 +7,7 @@ import time
 
 from . import available_models, load_runner
 from .errors import EngineError
+from .quant import QUANT_MODES
 from .registry import DEFAULT_MODEL
 
 
@@ -19,9 +20,10 @@ def _models(_: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     started = time.perf_counter()
-    runner = load_runner(args.model, device=args.device, dtype=args.dtype, max_context=args.max_context)
+    runner = load_runner(args.model, device=args.device, dtype=args.dtype, max_context=args.max_context,
+                         quant=args.quant)
     tok = runner.tokenizer
-    print(f"loaded {runner.name} ({runner.family}, {runner.dtype}, {runner.device}) "
+    print(f"loaded {runner.name} ({runner.family}, {runner.dtype}, {runner.quant} weights, {runner.device}) "
           f"in {time.perf_counter() - started:.2f}s", file=sys.stderr)
     if args.chat is not None:
         ids = tok.apply_chat_template([{"role": "user", "content": args.chat}], add_generation_prompt=True)
@@ -60,7 +62,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     text.add_argument("--chat", help="a user message, wrapped in the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--device", default="cpu")
-    gen.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: float32 on CPU)")
+    gen.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bfloat16, float32 for an "
+                                                   "unquantized checkpoint on CPU)")
+    gen.add_argument("--quant", default=None, choices=QUANT_MODES, help="none, int8 or int4 (default: int4 for "
+                                                                      "GGUF on CPU unless --dtype float32)")
     gen.add_argument("--max-context", type=int, default=None)
     gen.set_defaults(func=_generate)
 

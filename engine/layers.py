@@ -65,10 +65,9 @@ class Attention(nn.Module):
         super().__init__()
         self.layer, self.cfg = layer, cfg
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        # q, k and v in one matmul (the loader concatenates the checkpoint's three projections).
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
@@ -78,23 +77,22 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
         """x [N, hidden]: the flat new tokens of every row of `batch`."""
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = batch.rope[self.rope]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write(self.layer, batch.slots, k, v)
-        gqa = self.num_kv_heads != self.num_heads
         out = None
         if (group := batch.decode) is not None:
             keys, values = cache.gather(self.layer, group.key_slots)  # [Bd, kv_heads, L, D]
             mask = group.sliding_mask if self.sliding else group.full_mask
             # A pure decode step (the common case) needs no picking of rows in and out of the flat batch.
-            qd = (q if group.whole_batch else q.index_select(0, group.token_index)).unsqueeze(2)  # [Bd, H, 1, D]
-            o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=mask, scale=self.cfg.query_scale,
-                                               enable_gqa=gqa).squeeze(2)
+            qd = q if group.whole_batch else q.index_select(0, group.token_index)
+            o = self._decode_attention(qd, keys, values, mask)
             if group.whole_batch:
                 return self.o_proj(o.reshape(n, -1))
             out = torch.empty_like(q).index_copy_(0, group.token_index, o)
@@ -107,9 +105,25 @@ class Attention(nn.Module):
             mask = row.sliding_mask if self.sliding else row.full_mask
             o = F.scaled_dot_product_attention(
                 q[row.begin:row.end].transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                attn_mask=mask, is_causal=mask is None, scale=self.cfg.query_scale, enable_gqa=gqa)
+                attn_mask=mask, is_causal=mask is None, scale=self.cfg.query_scale,
+                enable_gqa=self.num_kv_heads != self.num_heads)
             out[row.begin:row.end] = o[0].transpose(0, 1)
         return self.o_proj(out.view(n, -1))
+
+    def _decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                          mask: torch.Tensor | None) -> torch.Tensor:
+        """One query per row: q [B, H, D], keys/values [B, kv_heads, L, D], mask [B, 1, 1, L] → [B, H, D].
+
+        Plain batched matmuls with the query heads of a KV group stacked: torch's fused CPU attention is tuned
+        for long queries and is 5-20x slower than this for a single bfloat16 query.
+        """
+        b = q.shape[0]
+        qg = q.view(b, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.cfg.query_scale  # [B, kvh, g, L]
+        if mask is not None:
+            scores.masked_fill_(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        return torch.matmul(probs, values).view(b, self.num_heads, self.head_dim)
 
 
 class GatedMLP(nn.Module):
@@ -117,12 +131,12 @@ class GatedMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        # gate and up in one matmul (the loader concatenates the checkpoint's two projections).
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gelu = cfg.hidden_act == "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.gate_proj(x)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(gate * self.up_proj(x))
+        return self.down_proj(gate * up)

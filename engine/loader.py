@@ -2,21 +2,26 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from .config import ModelConfig
 from .errors import ModelFormatError
 from .kv_cache import kv_bytes_per_token
 from .models import DecoderModel, build_model
+from .quant import QUANT_MODES, Affine4Bit, Int8Embedding, Int8Linear, quantize_int8, quantized_linear
 from .registry import KNOWN_MODELS
 from .runner import Runner
 from .tokenizer import Tokenizer
 from .weights.gguf import load_gguf
 from .weights.safetensors import load_safetensors_dir
+
+log = logging.getLogger("emberserve.engine")
 
 DEFAULT_CPU_KV_MEMORY = 512 << 20
 CPU_POOL_CONTEXTS, GPU_POOL_CONTEXTS = 4, 256
@@ -36,25 +41,99 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         raise ValueError(f"unsupported dtype {dtype!r}; use one of {', '.join(_DTYPES)}") from None
 
 
-def _materialise(cfg: ModelConfig, state: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype, source: str) -> DecoderModel:
+def resolve_quant(quant: str | None, dtype: str | torch.dtype | None, device: torch.device,
+                  quantized_source: bool) -> tuple[str, torch.dtype]:
+    """(quant mode, compute dtype) from what was asked; defaults depend on the device and the weights' source.
+
+    On CPU a quantized (GGUF) model keeps its weights compressed, int4 with bfloat16 activations, unless float32
+    was asked for (the exact path); float checkpoints stay as they are unless a quant mode is asked for.
+    Accelerators compute in bfloat16 from dense weights (the packed kernels are CPU kernels).
+    """
+    if quant is not None and quant not in QUANT_MODES:
+        raise ValueError(f"unsupported quant {quant!r}; use one of {', '.join(QUANT_MODES)}")
+    if device.type != "cpu":
+        if quant not in (None, "none"):
+            raise ValueError(f"quant {quant!r} runs on CPU only; use quant 'none' on {device.type}")
+        return "none", resolve_dtype(dtype, device)
+    if quant is None:
+        wanted = resolve_dtype(dtype, device) if dtype is not None else None
+        quant = "int4" if quantized_source and wanted in (None, torch.bfloat16) else "none"
+    if dtype is None:
+        return quant, torch.bfloat16 if quant != "none" else torch.float32
+    resolved = resolve_dtype(dtype, device)
+    if quant != "none" and resolved != torch.bfloat16:
+        log.warning("quant %s with %s activations uses torch's slow reference kernels; bfloat16 is the fast path",
+                    quant, resolved)
+    return quant, resolved
+
+
+def _fuse_projections(state: dict[str, Any], cfg: ModelConfig) -> None:
+    """Concatenate q/k/v and gate/up weights (and biases) into the fused projections the decoder runs."""
+    fused = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+             "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+    for layer in range(cfg.num_layers):
+        for target, parts in fused.items():
+            for kind in ("weight", "bias"):
+                names = [f"layers.{layer}.{p}.{kind}" for p in parts]
+                if not all(n in state for n in names):
+                    continue
+                values = [state.pop(n) for n in names]
+                state[f"layers.{layer}.{target}.{kind}"] = (
+                    Affine4Bit.cat(values) if all(isinstance(v, Affine4Bit) for v in values)
+                    else torch.cat([v.dequantize() if isinstance(v, Affine4Bit) else v for v in values]))
+
+
+def _quantize_modules(model: DecoderModel, state: dict[str, Any], quant: str, dtype: torch.dtype,
+                      requantize_floats: bool) -> None:
+    """Swap every Linear for its quantized form (the embedding too), taking their weights out of `state`.
+
+    `requantize_floats` False (a GGUF file): float weights there were stored with more than 4 bits, so in int4
+    mode they become int8 rather than losing precision; True (a float checkpoint): `quant` applies to all.
+    """
+    tied_embedding = state["lm_head.weight"] is state["embed_tokens.weight"]
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear):
+            continue
+        weight, bias = state.pop(f"{name}.weight"), state.pop(f"{name}.bias", None)
+        mode = quant if requantize_floats or isinstance(weight, Affine4Bit) else "int8"
+        model.set_submodule(name, quantized_linear(weight, bias, mode, dtype))
+    embedding = state.pop("embed_tokens.weight")
+    if isinstance(embedding, Affine4Bit):
+        embedding = embedding.dequantize()
+    head = model.lm_head
+    if tied_embedding and isinstance(head, Int8Linear):  # one int8 table serves the lookup and the output matmul
+        model.embed_tokens = Int8Embedding.sharing(head, dtype)
+    else:
+        model.embed_tokens = Int8Embedding(*quantize_int8(embedding), dtype)
+
+
+def _materialise(cfg: ModelConfig, state: dict[str, Any], device: torch.device, dtype: torch.dtype,
+                 quant: str, requantize_floats: bool, source: str) -> DecoderModel:
     with torch.device("meta"):
         model = build_model(cfg)
     if cfg.tie_embeddings or "lm_head.weight" not in state:
         state["lm_head.weight"] = state["embed_tokens.weight"]
+    _fuse_projections(state, cfg)
     expected = set(model.state_dict().keys())
     missing, unexpected = expected - state.keys(), state.keys() - expected
     if missing or unexpected:
         raise ModelFormatError(f"{source}: weights do not match the {cfg.family} architecture; "
                                f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    if quant != "none":
+        _quantize_modules(model, state, quant, dtype, requantize_floats)
     converted: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
+        if isinstance(tensor, Affine4Bit):
+            tensor = tensor.dequantize()
         # Norms stay float32 (they are applied in float32); everything else takes the compute dtype.
         target = torch.float32 if name.endswith("norm.weight") else dtype
         converted[name] = tensor.to(device=device, dtype=target)
-    if cfg.tie_embeddings:
+    if cfg.tie_embeddings and quant == "none":
         converted["lm_head.weight"] = converted["embed_tokens.weight"]
-    model.load_state_dict(converted, assign=True)
+    model.load_state_dict(converted, assign=True, strict=quant == "none")
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta and n in expected]
+    if left:
+        raise ModelFormatError(f"{source}: no weights for {left[:5]}")
     return model.eval()
 
 
@@ -92,13 +171,14 @@ def kv_cache_tokens(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, 
 
 def load_runner(source: str | os.PathLike[str], device: str | torch.device = "cpu",
                 dtype: str | torch.dtype | None = None, max_context: int | None = None,
-                kv_cache_memory: int | None = None, prefix_caching: bool = True) -> Runner:
+                kv_cache_memory: int | None = None, prefix_caching: bool = True,
+                quant: str | None = None) -> Runner:
     """A ready Runner for a known model name, a .gguf file, or a safetensors directory.
 
-    `kv_cache_memory` (bytes) sizes the paged KV pool; `prefix_caching` lets prompts reuse cached prefixes.
+    `kv_cache_memory` (bytes) sizes the paged KV pool; `prefix_caching` lets prompts reuse cached prefixes;
+    `quant` ("none", "int8", "int4"; default per device and source, see `resolve_quant`) keeps weights compressed.
     """
     device = torch.device(device)
-    dtype = resolve_dtype(dtype, device)
     name, defaults, template = str(source), {}, None
     known = KNOWN_MODELS.get(str(source))
     if known is not None:
@@ -107,12 +187,14 @@ def load_runner(source: str | os.PathLike[str], device: str | torch.device = "cp
         path = Path(source)
     freq_factors = None
     if path.is_dir():
+        quant, dtype = resolve_quant(quant, dtype, device, quantized_source=False)
         cfg, state, _ = load_safetensors_dir(path)
         tokenizer = Tokenizer.from_pretrained_dir(path)
         gen = _read_json(path / "generation_config.json")
         defaults |= {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in gen}
     elif path.is_file() and path.suffix == ".gguf":
-        cfg, state, meta, freq_factors = load_gguf(path)
+        quant, dtype = resolve_quant(quant, dtype, device, quantized_source=True)
+        cfg, state, meta, freq_factors = load_gguf(path, keep_4bit=quant == "int4")
         tokenizer = Tokenizer.from_gguf_metadata(meta)
     elif path.exists():
         raise ModelFormatError(f"{path}: not a model: expected a .gguf file or a safetensors directory")
@@ -121,9 +203,9 @@ def load_runner(source: str | os.PathLike[str], device: str | torch.device = "cp
                                f"({', '.join(KNOWN_MODELS)}) nor an existing path")
     if template is not None:
         tokenizer.set_chat_template(template)
-    model = _materialise(cfg, state, device, dtype, str(path))
+    model = _materialise(cfg, state, device, dtype, quant, requantize_floats=path.is_dir(), source=str(path))
     _rebuild_buffers(model, device, freq_factors)
     context = max_context or cfg.max_position
-    return Runner(model, tokenizer, name=name if known else path.name, device=device, dtype=dtype,
+    return Runner(model, tokenizer, name=name if known else path.name, device=device, dtype=dtype, quant=quant,
                   max_context=max_context, generation_defaults=defaults, prefix_caching=prefix_caching,
                   kv_cache_tokens=kv_cache_tokens(cfg, dtype, device, context, kv_cache_memory))

@@ -41,12 +41,12 @@ class Runner:
     """
 
     def __init__(self, model: DecoderModel, tokenizer: Tokenizer, *, name: str, device: torch.device,
-                 dtype: torch.dtype, max_context: int | None = None,
+                 dtype: torch.dtype, quant: str = "none", max_context: int | None = None,
                  generation_defaults: dict[str, Any] | None = None, kv_cache_tokens: int | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, prefix_caching: bool = True) -> None:
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.config: ModelConfig = model.cfg
-        self.device, self.dtype = device, dtype
+        self.device, self.dtype, self.quant = device, dtype, quant
         trained = self.config.max_position
         if max_context is not None and not 0 < max_context <= trained:
             raise ValueError(f"max_context must be between 1 and the model's trained context {trained}, got {max_context}")

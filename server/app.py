@@ -38,6 +38,7 @@ def _load(settings: Settings) -> ModelState:
     workers = []
     for i in range(settings.workers):
         runner = load_runner(settings.model, device=_worker_device(settings, i), dtype=settings.dtype,
+                             quant=settings.quant,
                              max_context=settings.max_context, kv_cache_memory=settings.kv_cache_memory,
                              prefix_caching=settings.prefix_caching)
         blocks = runner.blocks
@@ -51,9 +52,9 @@ def _load(settings: Settings) -> ModelState:
     pool.start()
     runner = workers[0].runner
     model_id = settings.served_model_name or runner.name
-    digest = hashlib.sha256(f"{__version__}:{model_id}:{runner.dtype}:{runner.device}".encode()).hexdigest()[:10]
-    log.info("loaded %s (%s, %s on %s, context %d) in %.1fs", model_id, runner.family,
-             str(runner.dtype).removeprefix("torch."), runner.device, runner.context_size,
+    digest = hashlib.sha256(f"{__version__}:{model_id}:{runner.dtype}:{runner.quant}:{runner.device}".encode()).hexdigest()[:10]
+    log.info("loaded %s (%s, %s activations, %s weights on %s, context %d) in %.1fs", model_id, runner.family,
+             str(runner.dtype).removeprefix("torch."), runner.quant, runner.device, runner.context_size,
              time.perf_counter() - started)
     return ModelState(model_id=model_id, runner=runner, pool=pool, fingerprint=f"fp_{digest}",
                       created=int(time.time()))

@@ -10,6 +10,7 @@ import uvicorn
 
 from engine import KNOWN_MODELS, ModelFormatError, ModelNotInstalledError
 from engine.__main__ import add_commands, run
+from engine.quant import QUANT_MODES
 
 from .app import create_app
 from .settings import DEFAULT_HOST, DEFAULT_PORT, Settings, parse_bytes
@@ -26,6 +27,7 @@ def _positive(text: str) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     settings = Settings(model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
+                        quant=args.quant,
                         max_context=args.max_context, served_model_name=args.served_model_name,
                         log_level=args.log_level, workers=args.workers, max_queued=args.max_queued,
                         max_running=args.max_running, max_batched_tokens=args.max_batched_tokens,
@@ -62,7 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", default=DEFAULT_HOST)
     serve.add_argument("--port", type=int, default=DEFAULT_PORT)
     serve.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
-    serve.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: float32 on CPU)")
+    serve.add_argument("--dtype", default=None,
+                       help="activations: float32 or bfloat16 (default: bfloat16; float32 for unquantized "
+                            "checkpoints on CPU)")
+    serve.add_argument("--quant", default=None, choices=QUANT_MODES,
+                       help="weights kept as int8 per-channel or int4 group-wise (CPU); default: int4 for a GGUF "
+                            "model on CPU unless --dtype float32, else none")
     serve.add_argument("--max-context", type=int, default=None, help="cap the context below the model's")
     serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: its name)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

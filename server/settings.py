@@ -26,7 +26,8 @@ class Settings:
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     device: str = "cpu"
-    dtype: str | None = None              # None: float32 on CPU, bfloat16 on accelerators
+    dtype: str | None = None              # None: bfloat16 (float32 for an unquantized model on CPU)
+    quant: str | None = None              # none/int8/int4; None: int4 for a quantized (GGUF) model on CPU
     max_context: int | None = None        # cap below the model's trained context
     served_model_name: str | None = None  # the id clients send as `model`; default: the model's name
     log_level: str = "info"

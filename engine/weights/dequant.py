@@ -8,6 +8,7 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from ..errors import UnsupportedModelError
+from ..quant import GROUP_SIZE, Affine4Bit
 
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -82,3 +83,47 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...], tensor_n
         raise UnsupportedModelError(
             f"tensor {tensor_name} has type {qtype.name}, which emberserve cannot dequantize") from None
     return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).reshape(shape)
+
+
+def _q4_k_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eight 6-bit sub-block scales and mins of Q4_K blocks ([n, 12] bytes) as float32 [n, 8] each."""
+    d, m, md = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    scales = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mins = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return scales.float(), mins.float()
+
+
+def _affine_q4_0(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    d = _f16(b, 0)
+    return _nibbles(b[..., 2:]), d, -8.0 * d
+
+
+def _affine_q4_1(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return _nibbles(b[..., 4:]), _f16(b, 0), _f16(b, 2)
+
+
+def _affine_q4_k(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    scales, mins = _q4_k_scales_mins(b[:, 4:16])
+    qs = b[:, 16:].reshape(-1, 4, 1, 32)
+    # Each 32-byte chunk holds sub-block 2c in its low nibbles and sub-block 2c + 1 in its high nibbles.
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(-1, 8, 32)
+    return codes, (_f16(b, 0) * scales).unsqueeze(-1), (-_f16(b, 2) * mins).unsqueeze(-1)
+
+
+_AFFINE_4BIT = {Q.Q4_0: _affine_q4_0, Q.Q4_1: _affine_q4_1, Q.Q4_K: _affine_q4_k}
+
+
+def affine_4bit(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> Affine4Bit | None:
+    """A 2-D 4-bit tensor (Q4_0, Q4_1, Q4_K) as exact `Affine4Bit` codes, scales and offsets; None for other types."""
+    try:
+        qtype = Q(ggml_type)
+    except ValueError:
+        return None
+    if qtype not in _AFFINE_4BIT or len(shape) != 2:
+        return None
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    blocks = torch.from_numpy(np.array(raw, copy=True).reshape(-1)).reshape(-1, type_size)
+    codes, scale, offset = _AFFINE_4BIT[qtype](blocks)
+    rows, cols = shape
+    return Affine4Bit(codes.reshape(rows, cols).to(torch.uint8), scale.reshape(rows, cols // GROUP_SIZE).contiguous(),
+                      offset.reshape(rows, cols // GROUP_SIZE).contiguous())

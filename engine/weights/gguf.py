@@ -9,7 +9,8 @@ import torch
 
 from ..config import ModelConfig, config_from_gguf
 from ..errors import UnsupportedModelError
-from .dequant import dequantize
+from ..quant import Affine4Bit
+from .dequant import affine_4bit, dequantize
 from .gguf_format import GGUFFile, read_gguf_metadata
 
 __all__ = ["GGUFFile", "load_gguf", "read_gguf_metadata", "undo_llama_qk_permute"]
@@ -46,9 +47,12 @@ def _param_name(gguf_name: str, family: str) -> str | None:
     return None if target is None else f"layers.{layer}.{target}.{kind}"
 
 
-def load_gguf(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any],
-                                                       torch.Tensor | None]:
-    """(config, float32 state dict in the decoder's names, metadata, llama3 rope frequency factors or None)."""
+def load_gguf(path: str | os.PathLike[str], keep_4bit: bool = False
+              ) -> tuple[ModelConfig, dict[str, torch.Tensor | Affine4Bit], dict[str, Any], torch.Tensor | None]:
+    """(config, float32 state dict in the decoder's names, metadata, llama3 rope frequency factors or None).
+
+    With `keep_4bit`, 4-bit matrices (Q4_0, Q4_1, Q4_K) come as exact `Affine4Bit` codes instead of floats.
+    """
     gguf = GGUFFile(path)
     cfg = config_from_gguf(gguf.metadata, has_output_tensor="output.weight" in gguf.tensors)
     state: dict[str, torch.Tensor] = {}
@@ -58,11 +62,13 @@ def load_gguf(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, torc
         param = _param_name(name, cfg.family)
         if param is None:
             raise UnsupportedModelError(f"{gguf.path}: unexpected tensor {name!r} for architecture {cfg.family}")
-        w = dequantize(gguf.raw(entry), entry.ggml_type, entry.shape, name)
-        if cfg.family == "llama" and param.endswith("q_proj.weight"):
-            w = undo_llama_qk_permute(w, cfg.num_heads)
-        elif cfg.family == "llama" and param.endswith("k_proj.weight"):
-            w = undo_llama_qk_permute(w, cfg.num_kv_heads)
+        w = affine_4bit(gguf.raw(entry), entry.ggml_type, entry.shape) if keep_4bit else None
+        if w is None:
+            w = dequantize(gguf.raw(entry), entry.ggml_type, entry.shape, name)
+        heads = {"q_proj.weight": cfg.num_heads, "k_proj.weight": cfg.num_kv_heads}.get(param.split(".", 3)[-1])
+        if cfg.family == "llama" and heads is not None:
+            unpermute = lambda t: undo_llama_qk_permute(t, heads)  # noqa: E731
+            w = w.map_rows(unpermute) if isinstance(w, Affine4Bit) else unpermute(w)
         state[param] = w
     freq_factors = None
     if "rope_freqs.weight" in gguf.tensors:

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess, start_server, stop_server
+from server_process import EXACT, ServerProcess, start_server, stop_server
 
 from engine.tokenizer import Tokenizer
 from engine.registry import KNOWN_MODELS
@@ -17,7 +17,7 @@ MODEL = "smollm2-135m"
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = start_server(tmp_path_factory.mktemp("server"), "--model", MODEL)
+    srv = start_server(tmp_path_factory.mktemp("server"), "--model", MODEL, *EXACT)
     yield srv
     stop_server(srv)
 

@@ -12,6 +12,8 @@ from pathlib import Path
 import httpx
 
 MODEL = "smollm2-135m"
+# The float32 path: dequantized weights, outputs that match the in-process float32 engine bit for bit.
+EXACT = ("--dtype", "float32")
 STARTUP_TIMEOUT_S = 120
 
 

@@ -12,7 +12,7 @@ import uuid
 import httpx
 import pytest
 
-from server_process import start_server, stop_server
+from server_process import EXACT, start_server, stop_server
 
 MODEL = "smollm2-135m"
 TOPICS = ["the sea", "a dragon", "winter", "a robot", "coffee", "the moon", "a library", "trains"]
@@ -115,7 +115,7 @@ def test_cancelling_half_frees_every_block(base_url: str) -> None:
 @pytest.fixture(scope="module")
 def tight_server(tmp_path_factory: pytest.TempPathFactory):
     """A server whose KV pool holds 256 tokens and whose batches hold 64 tokens: it must chunk and preempt."""
-    srv = start_server(tmp_path_factory.mktemp("tight"), "--model", MODEL, "--kv-cache-memory",
+    srv = start_server(tmp_path_factory.mktemp("tight"), "--model", MODEL, *EXACT, "--kv-cache-memory",
                        str(46080 * 256), "--max-batched-tokens", "64", "--no-prefix-cache")
     yield srv
     stop_server(srv)
@@ -140,7 +140,7 @@ def test_preemption_and_chunked_prefill_keep_outputs(tight_server, base_url: str
 
 
 def test_full_queue_answers_429(tmp_path_factory: pytest.TempPathFactory) -> None:
-    srv = start_server(tmp_path_factory.mktemp("busy"), "--model", MODEL, "--max-running", "1",
+    srv = start_server(tmp_path_factory.mktemp("busy"), "--model", MODEL, *EXACT, "--max-running", "1",
                        "--max-queued", "1")
     try:
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
@@ -168,7 +168,7 @@ def test_full_queue_answers_429(tmp_path_factory: pytest.TempPathFactory) -> Non
 
 def test_two_workers_share_the_load(tmp_path_factory: pytest.TempPathFactory, base_url: str) -> None:
     """--workers 2: two runners, each on its own thread, with twice the KV pool; concurrent requests answer as alone."""
-    srv = start_server(tmp_path_factory.mktemp("pool"), "--model", MODEL, "--workers", "2")
+    srv = start_server(tmp_path_factory.mktemp("pool"), "--model", MODEL, *EXACT, "--workers", "2")
     try:
         one = _health(srv.base_url)
         assert one["kv_blocks_total"] == 2 * _health(base_url)["kv_blocks_total"]

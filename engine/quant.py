@@ -1,0 +1,132 @@
+"""Weight-only quantization by module swap: int8 per-channel and int4 group-wise linears, an int8 embedding.
+
+The matmuls are torch's CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`), which are fast with
+bfloat16 activations. 4-bit GGUF blocks (Q4_0, Q4_1, Q4_K) map exactly onto the int4 format; other sources are
+quantized round-to-nearest here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GROUP_SIZE = 32          # input elements sharing one int4 scale/offset (ggml's block and sub-block size)
+_INT4_ROW_MULTIPLE = 16  # the int4 CPU kernel packs output rows in tiles of 16
+QUANT_MODES = ("none", "int8", "int4")
+
+
+@dataclass
+class Affine4Bit:
+    """Weights w = codes * scale + offset with 4-bit codes; one scale/offset per GROUP_SIZE inputs of a row."""
+
+    codes: torch.Tensor   # uint8 [out, in], values 0..15
+    scale: torch.Tensor   # float32 [out, in // GROUP_SIZE]
+    offset: torch.Tensor  # float32 [out, in // GROUP_SIZE]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def dequantize(self) -> torch.Tensor:
+        groups = self.codes.float().view(*self.scale.shape, GROUP_SIZE)
+        return (groups * self.scale.unsqueeze(-1) + self.offset.unsqueeze(-1)).view(self.codes.shape)
+
+    def map_rows(self, fn) -> Affine4Bit:
+        """The same weights with `fn` (a row permutation or selection) applied to every part."""
+        return Affine4Bit(fn(self.codes), fn(self.scale), fn(self.offset))
+
+    @staticmethod
+    def cat(parts: list[Affine4Bit]) -> Affine4Bit:
+        return Affine4Bit(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scale", "offset")))
+
+
+def quantize_4bit(w: torch.Tensor) -> Affine4Bit:
+    """Round-to-nearest asymmetric 4-bit quantization of a float [out, in] matrix (in divisible by GROUP_SIZE)."""
+    groups = w.float().reshape(w.shape[0], -1, GROUP_SIZE)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+    codes = torch.round((groups - low.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp_(0, 15).to(torch.uint8)
+    return Affine4Bit(codes.view(w.shape), scale, low)
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: (codes int8 [out, in], float32 scales [out]) with w ≈ codes * scale."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    return torch.round(w / scale.unsqueeze(1)).clamp_(-127, 127).to(torch.int8), scale
+
+
+def int4_supported(shape: tuple[int, ...] | torch.Size) -> bool:
+    return len(shape) == 2 and shape[1] % GROUP_SIZE == 0
+
+
+class Int8Linear(nn.Module):
+    """y = x @ (codes * scale)^T + bias, with per-output-channel int8 weights."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.register_buffer("weight", codes.contiguous())
+        self.register_buffer("scale", scale.to(dtype))
+        self.register_buffer("bias", None if bias is None else bias.to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scale)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4Linear(nn.Module):
+    """y = x @ w^T + bias with w held as packed 4-bit codes and a scale and zero per group of GROUP_SIZE inputs."""
+
+    def __init__(self, weight: Affine4Bit, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        pad = -self.out_features % _INT4_ROW_MULTIPLE  # zero rows, sliced off the output
+        codes, scale, offset = (F.pad(t, (0, 0, 0, pad)) for t in (weight.codes, weight.scale, weight.offset))
+        # The kernel computes (code - 8) * scale + zero.
+        zero = offset + 8 * scale
+        self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
+        self.register_buffer("scale_and_zero", torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features), self.weight, GROUP_SIZE,
+                                                      self.scale_and_zero)
+        if y.shape[-1] != self.out_features:
+            y = y[:, :self.out_features]
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8Embedding(nn.Module):
+    """Embedding rows stored as per-row int8, dequantized on lookup."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.register_buffer("weight", codes)
+        self.register_buffer("scale", scale.to(dtype))
+        self.dtype = dtype
+
+    @classmethod
+    def sharing(cls, head: Int8Linear, dtype: torch.dtype) -> Int8Embedding:
+        """An embedding reading the (tied) output projection's int8 table: one copy in memory for both."""
+        return cls(head.weight, head.scale, dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight).to(self.dtype) * self.scale[ids].unsqueeze(-1)
+
+
+def quantized_linear(weight: torch.Tensor | Affine4Bit, bias: torch.Tensor | None, mode: str,
+                     dtype: torch.dtype) -> nn.Module:
+    """The module replacing an nn.Linear in `mode` ("int8" or "int4").
+
+    int4 keeps 4-bit sources exact and quantizes float sources; a GGUF tensor stored with more bits (Q5, Q6_K,
+    Q8_0) is passed in dequantized with `mode` "int8" by the loader, so its precision is not thrown away.
+    """
+    if mode == "int4" and int4_supported(weight.shape):
+        return Int4Linear(weight if isinstance(weight, Affine4Bit) else quantize_4bit(weight), bias, dtype)
+    dense = weight.dequantize() if isinstance(weight, Affine4Bit) else weight
+    return Int8Linear(*quantize_int8(dense), bias, dtype)

@@ -1,0 +1,194 @@
+"""Weight-only quantization, always checked against the float32 path (never against itself).
+
+- the 4-bit GGUF repack (Q4_0, Q4_1, Q4_K) reproduces gguf's own dequantization;
+- the int8 / int4 modules compute x @ w^T for the weights they hold, and are batch-invariant;
+- a model loaded with int4 from a 4-bit GGUF holds exactly the float32 path's weights in every matmul;
+- the quality guard: on the real models, top-1 agreement with float32 and perplexity on tests/data stay within
+  the bounds below, for the default format (int4) and int8.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGMLQuantizationType as Q
+from gguf.quants import quantize as gguf_quantize
+
+from engine import load_runner
+from engine.loader import resolve_quant
+from engine.quality import compare
+from engine.quant import (GROUP_SIZE, Affine4Bit, Int4Linear, Int8Embedding, Int8Linear, quantize_4bit,
+                          quantize_int8, quantized_linear)
+from engine.registry import KNOWN_MODELS
+from engine.weights.dequant import affine_4bit, dequantize
+from engine.weights.gguf_format import GGUFFile
+from tiny_models import VARIANTS, prompt_ids, write_gguf
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+# Quality bounds (measured values in bench/RESULTS.md, `python bench/quality.py`): the fraction of positions
+# whose argmax equals float32's, and the perplexity relative to float32's on the same texts.
+QUALITY_BOUNDS = {  # (model, quant): (min top-1 agreement, max perplexity ratio)
+    ("smollm2-135m", "int4"): (0.90, 1.03),
+    ("smollm2-135m", "int8"): (0.88, 1.04),
+    ("gemma3-270m", "int4"): (0.88, 1.04),
+    ("gemma3-270m", "int8"): (0.88, 1.04),
+}
+
+
+def _weights(rows: int = 48, cols: int = 256, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+def test_affine_4bit_repack_equals_gguf_dequantization(qtype: Q) -> None:
+    raw = gguf_quantize(_weights(), qtype)
+    packed = affine_4bit(raw, int(qtype), (48, 256))
+    assert packed.codes.dtype == torch.uint8 and int(packed.codes.max()) <= 15
+    torch.testing.assert_close(packed.dequantize(), dequantize(raw, int(qtype), (48, 256)), rtol=1e-6, atol=1e-7)
+
+
+def test_affine_4bit_repack_of_real_q4_k_tensors() -> None:
+    gguf = GGUFFile(KNOWN_MODELS["gemma3-270m"].path())
+    entries = [e for e in gguf.tensors.values() if e.ggml_type == Q.Q4_K][:3]
+    assert entries, "gemma3-270m Q4_K_M ships Q4_K matrices"
+    for e in entries:
+        raw = gguf.raw(e)
+        assert torch.equal(affine_4bit(raw, e.ggml_type, e.shape).dequantize(),
+                           dequantize(raw, e.ggml_type, e.shape, e.name)), e.name
+
+
+def test_affine_4bit_is_none_for_other_types() -> None:
+    raw = gguf_quantize(_weights(), Q.Q8_0)
+    assert affine_4bit(raw, int(Q.Q8_0), (48, 256)) is None
+
+
+def test_round_to_nearest_errors_are_within_half_a_step() -> None:
+    w = torch.from_numpy(_weights(64, 128)) * 0.05
+    four = quantize_4bit(w)
+    step = four.scale.repeat_interleave(GROUP_SIZE, dim=1)
+    assert float(((four.dequantize() - w).abs() - step / 2).max()) <= 1e-6
+    codes, scale = quantize_int8(w)
+    assert float(((codes.float() * scale[:, None] - w).abs() - scale[:, None] / 2).max()) <= 1e-6
+
+
+@pytest.mark.parametrize("out_features,in_features,bias", [(40, 64, True), (48, 96, False), (576, 576, False)])
+def test_int4_linear_computes_the_held_weights(out_features: int, in_features: int, bias: bool) -> None:
+    torch.manual_seed(0)
+    w = quantize_4bit(torch.randn(out_features, in_features) * 0.1)
+    b = torch.randn(out_features) if bias else None
+    x = torch.randn(5, in_features)
+    want = x @ w.dequantize().t() + (b if bias else 0)
+    # float32 activations: the kernel's reference path, exact up to summation order
+    torch.testing.assert_close(Int4Linear(w, b, torch.float32)(x), want, rtol=1e-4, atol=1e-4)
+    got = Int4Linear(w, b, torch.bfloat16)(x.bfloat16()).float()
+    assert float((got - want).norm() / want.norm()) < 1e-2  # bfloat16 activations and scales
+
+
+def test_int8_linear_computes_the_held_weights() -> None:
+    torch.manual_seed(0)
+    codes, scale = quantize_int8(torch.randn(48, 96))
+    b = torch.randn(48)
+    x = torch.randn(3, 96)
+    want = x @ (codes.float() * scale[:, None]).t() + b
+    torch.testing.assert_close(Int8Linear(codes, scale, b, torch.float32)(x), want, rtol=1e-4, atol=1e-4)
+    got = Int8Linear(codes, scale, b, torch.bfloat16)(x.bfloat16()).float()
+    assert float((got - want).norm() / want.norm()) < 1e-2
+
+
+def test_int8_embedding_looks_up_the_quantized_rows() -> None:
+    torch.manual_seed(0)
+    codes, scale = quantize_int8(torch.randn(100, 64))
+    ids = torch.tensor([3, 0, 99, 3])
+    got = Int8Embedding(codes, scale, torch.float32)(ids)
+    torch.testing.assert_close(got, (codes.float() * scale[:, None])[ids])
+
+
+def test_quantized_matmuls_are_batch_invariant() -> None:
+    """A row's output does not depend on the other rows of the batch (what batched serving relies on)."""
+    torch.manual_seed(0)
+    w = torch.randn(1536, 576) * 0.05
+    x = torch.randn(17, 576).bfloat16()
+    for module in (quantized_linear(w, None, "int4", torch.bfloat16), quantized_linear(w, None, "int8", torch.bfloat16)):
+        full = module(x)
+        for rows in (1, 3, 8, 16):
+            assert torch.equal(module(x[:rows]), full[:rows]), (type(module).__name__, rows)
+
+
+def test_int4_falls_back_to_int8_when_groups_do_not_divide_the_input() -> None:
+    assert isinstance(quantized_linear(torch.randn(32, 48), None, "int4", torch.bfloat16), Int8Linear)
+    assert isinstance(quantized_linear(torch.randn(32, 64), None, "int4", torch.bfloat16), Int4Linear)
+
+
+@pytest.mark.parametrize("asked,dtype,source_quantized,expected", [
+    (None, None, True, ("int4", torch.bfloat16)),          # a GGUF model on CPU: compressed by default
+    (None, "float32", True, ("none", torch.float32)),      # float32 asked: the exact path
+    (None, "bfloat16", True, ("int4", torch.bfloat16)),
+    (None, None, False, ("none", torch.float32)),          # a float checkpoint stays as it is
+    ("int8", None, False, ("int8", torch.bfloat16)),       # quantized on request
+    ("none", "bfloat16", True, ("none", torch.bfloat16)),
+])
+def test_default_formats_per_source(asked, dtype, source_quantized, expected) -> None:
+    assert resolve_quant(asked, dtype, torch.device("cpu"), source_quantized) == expected
+
+
+def test_bad_quant_requests_are_refused() -> None:
+    with pytest.raises(ValueError, match="unsupported quant"):
+        resolve_quant("int3", None, torch.device("cpu"), True)
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_quant("int4", None, torch.device("cuda"), True)
+    assert resolve_quant(None, None, torch.device("cuda"), True) == ("none", torch.bfloat16)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("gguf_type", ["Q4_0", "Q4_1"])
+def test_int4_load_of_a_4bit_gguf_holds_the_float32_paths_weights(tiny_zoo, tmp_path, variant, gguf_type) -> None:
+    """Every matmul of the int4 model (llama q/k row permutation and q/k/v, gate/up fusion included) applies
+    the weights the float32 path dequantizes; float32 activations make the kernel's result exact."""
+    path = write_gguf(tiny_zoo.model(variant), gguf_type, tmp_path / f"{variant}-{gguf_type}.gguf")
+    exact = load_runner(str(path), dtype="float32", quant="none").model
+    packed = load_runner(str(path), dtype="float32", quant="int4").model
+    dense = dict(exact.named_modules())
+    checked = 0
+    for name, module in packed.named_modules():
+        if isinstance(module, Int4Linear):
+            eye = torch.eye(module.in_features)
+            bias = 0 if module.bias is None else module.bias
+            torch.testing.assert_close(module(eye) - bias, dense[name].weight.t(), rtol=1e-6, atol=1e-6)
+            checked += 1
+    assert checked == 4 * len(exact.layers) + 1  # qkv, o, gate_up, down per layer, and the tied/untied head
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_quantized_float_checkpoint_follows_the_float32_model(tiny_zoo, variant, quant) -> None:
+    """Quantizing a safetensors checkpoint on request: logits stay near float32's (random tiny weights are the
+    worst case for 4 bits; the real models' bounds are in test_quality_guard)."""
+    tiny = tiny_zoo.model(variant)
+    ids = prompt_ids(tiny, 0, 36)
+    want = load_runner(str(tiny.safetensors_dir), dtype="float32").predict_logits(ids)
+    runner = load_runner(str(tiny.safetensors_dir), quant=quant)
+    assert runner.quant == quant and runner.dtype == torch.bfloat16
+    got = runner.predict_logits(ids).float()
+    rel = float((got - want).norm() / (want - want.mean(-1, keepdim=True)).norm())
+    assert rel < {"int8": 0.08, "int4": 0.6}[quant], rel
+
+
+def _quality_texts(runner) -> list[list[int]]:
+    prompts = json.loads((DATA / "quality_prompts.json").read_text())
+    return [runner.tokenizer.encode(p) for p in prompts] + [runner.tokenizer.encode((DATA / "quality_sample.txt").read_text())]
+
+
+@pytest.mark.parametrize("model,quant", list(QUALITY_BOUNDS))
+def test_quality_guard(request, model: str, quant: str) -> None:
+    reference = request.getfixturevalue("smollm" if model.startswith("smollm") else "gemma")  # float32
+    candidate = load_runner(model, quant=quant)
+    assert candidate.dtype == torch.bfloat16
+    agreement = compare(candidate, reference, _quality_texts(reference))
+    min_agreement, max_ratio = QUALITY_BOUNDS[(model, quant)]
+    assert agreement.positions > 500
+    assert agreement.top1_agreement >= min_agreement, agreement
+    assert agreement.perplexity_ratio <= max_ratio, agreement
