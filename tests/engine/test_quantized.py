@@ -32,10 +32,10 @@ DATA = Path(__file__).resolve().parents[1] / "data"
 # Quality bounds (measured values in bench/RESULTS.md, `python bench/quality.py`): the fraction of positions
 # whose argmax equals float32's, and the perplexity relative to float32's on the same texts.
 QUALITY_BOUNDS = {  # (model, quant): (min top-1 agreement, max perplexity ratio)
-    ("smollm2-135m", "int4"): (0.90, 1.03),
-    ("smollm2-135m", "int8"): (0.88, 1.04),
-    ("gemma3-270m", "int4"): (0.88, 1.04),
-    ("gemma3-270m", "int8"): (0.88, 1.04),
+    ("smollm2-135m", "int4"): (0.94, 1.03),   # measured 0.968, 1.008
+    ("smollm2-135m", "int8"): (0.93, 1.03),   # measured 0.952, 1.011
+    ("gemma3-270m", "int4"): (0.93, 1.03),    # measured 0.956, 0.990
+    ("gemma3-270m", "int8"): (0.92, 1.03),    # measured 0.946, 0.988
 }
 
 
@@ -189,6 +189,6 @@ def test_quality_guard(request, model: str, quant: str) -> None:
     assert candidate.dtype == torch.bfloat16
     agreement = compare(candidate, reference, _quality_texts(reference))
     min_agreement, max_ratio = QUALITY_BOUNDS[(model, quant)]
-    assert agreement.positions > 500
+    assert agreement.positions > 400
     assert agreement.top1_agreement >= min_agreement, agreement
     assert agreement.perplexity_ratio <= max_ratio, agreement
