@@ -1,33 +1,57 @@
 #!/usr/bin/env bash
 # emberserve vs llama.cpp (llama-cpp-python's server) on the same GGUF, one after the other, same load.
-# Usage: bench/compare_servers.sh [extra bench/serve.py args]   (results in bench/out/*.json and on stdout)
-# The llama.cpp server lives in its own venv (.venv-llamacpp, built once: about 8 minutes on 2 cores);
-# it is a benchmark-only dependency, not the project's. It ignores ignore_eos, so the end tokens are banned
-# with logit_bias instead: both servers then generate exactly max_tokens.
+# Usage: bench/compare_servers.sh [MODEL]   (default smollm2-135m; results in bench/out/*.json and on stdout)
+# Per server: the load of bench/serve.py (concurrency 1/4/8/16, ~16 and ~1024-token prompts, 64 tokens, prefix
+# reuse), then one stream of 256 output tokens, then its RSS (now and peak). emberserve runs twice: its default
+# (bfloat16 activations, int4 weights) and the exact float32 path.
+# The llama.cpp server lives in its own venv (.venv-llamacpp, built once: about 8 minutes on 2 cores); it is a
+# benchmark-only dependency, not the project's. Both servers get a 4096-token context (llama.cpp's --n_ctx, our
+# --max-context), so their KV caches hold the same number of tokens. llama.cpp ignores ignore_eos, so the end
+# tokens are banned with logit_bias instead: both servers then generate exactly max_tokens.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+MODEL=${1:-smollm2-135m}
 PY=.venv/bin/python
 if [ ! -x .venv-llamacpp/bin/python ]; then
   python3 -m venv .venv-llamacpp
   CMAKE_BUILD_PARALLEL_LEVEL=2 .venv-llamacpp/bin/pip install --quiet "llama-cpp-python[server]==0.3.36"
 fi
-GGUF=$($PY -c "from engine import KNOWN_MODELS; print(KNOWN_MODELS['smollm2-135m'].path())")
+GGUF=$($PY -c "from engine import KNOWN_MODELS; print(KNOWN_MODELS['$MODEL'].path())")
+EOS=$($PY -c "
+import json, sys
+from engine.tokenizer import Tokenizer
+from engine.weights.gguf import read_gguf_metadata
+tok = Tokenizer.from_gguf_metadata(read_gguf_metadata(sys.argv[1]))
+print(json.dumps({str(t): -100 for t in sorted(tok.end_token_ids)}))" "$GGUF")
 mkdir -p bench/out
-wait_ready() { for _ in $(seq 300); do curl -sf "$1" >/dev/null && return 0; sleep 0.2; done; return 1; }
+wait_ready() { for _ in $(seq 600); do curl -sf "$1" >/dev/null && return 0; sleep 0.2; done; return 1; }
+rss() {  # label pid -> bench/out/<label>-rss.json
+  awk -v label="$1" '/^VmRSS/{rss=$2} /^VmHWM/{hwm=$2} END{printf "{\"label\": \"%s\", \"rss_mib\": %.0f, \"peak_rss_mib\": %.0f}\n", label, rss/1024, hwm/1024}' \
+    "/proc/$2/status" | tee "bench/out/$1-rss.json"
+}
+bench() {  # label base-url extra-body
+  $PY bench/serve.py --base-url "$2" --label "$1" --extra-body "$3" --json-out "bench/out/$1.json"
+  $PY bench/serve.py --base-url "$2" --label "$1" --extra-body "$3" --json-out "bench/out/$1-decode256.json" \
+    --concurrency 1 --prompt-tokens 16 --max-tokens 256 --requests 3 --no-prefix
+}
 
 .venv-llamacpp/bin/python -m llama_cpp.server --model "$GGUF" --n_threads 2 --n_ctx 4096 --interrupt_requests False \
-  --port 8001 --model_alias smollm2-135m >bench/out/llama.log 2>&1 &
+  --port 8001 --model_alias "$MODEL" >bench/out/llama.log 2>&1 &
 LLAMA=$!
 wait_ready http://127.0.0.1:8001/v1/models
-$PY bench/serve.py --base-url http://127.0.0.1:8001 --label llama.cpp --extra-body '{"repeat_penalty": 1.0, "logit_bias": {"0": -100, "2": -100}}' \
-  --json-out bench/out/llama.cpp.json "$@"
+bench "llama.cpp-$MODEL" http://127.0.0.1:8001 "{\"repeat_penalty\": 1.0, \"logit_bias\": $EOS}"
+rss "llama.cpp-$MODEL" $LLAMA
 kill $LLAMA; wait $LLAMA 2>/dev/null || true
 
-for dtype in float32 bfloat16; do
-  $PY -m server serve --port 8002 --dtype $dtype --log-level warning >bench/out/emberserve-$dtype.log 2>&1 &
+for variant in "default" "float32:--dtype float32"; do
+  label="emberserve-$MODEL-${variant%%:*}"
+  args=""; [[ "$variant" == *:* ]] && args="${variant#*:}"
+  # shellcheck disable=SC2086
+  $PY -m server serve --model "$MODEL" --port 8002 --max-context 4096 --log-level warning $args \
+    >"bench/out/$label.log" 2>&1 &
   EMBER=$!
   wait_ready http://127.0.0.1:8002/health
-  $PY bench/serve.py --base-url http://127.0.0.1:8002 --label "emberserve-$dtype" \
-    --json-out bench/out/emberserve-$dtype.json "$@"
+  bench "$label" http://127.0.0.1:8002 '{}'
+  rss "$label" $EMBER
   kill $EMBER; wait $EMBER 2>/dev/null || true
 done

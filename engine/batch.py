@@ -26,8 +26,8 @@ class StepRow:
 @dataclass
 class DecodeGroup:
     token_index: torch.Tensor          # [Bd] where the rows' tokens sit in the flat batch
-    key_slots: torch.Tensor            # [Bd, L] cache slots of every key each row sees (padded with a valid slot)
-    full_mask: torch.Tensor | None     # [Bd, 1, 1, L] bool; None when every key of every row is visible
+    key_blocks: torch.Tensor           # [Bd, nb] cache blocks holding each row's keys (padded with its first block)
+    full_mask: torch.Tensor | None     # [Bd, 1, 1, nb * block] bool; None when every slot of every row is a key
     sliding_mask: torch.Tensor | None
     whole_batch: bool = False          # the group is every token of the batch, in order (pure decode step)
 
@@ -36,8 +36,8 @@ class DecodeGroup:
 class PrefillRow:
     begin: int                         # the chunk's tokens are [begin, end) of the flat batch
     end: int
-    key_slots: torch.Tensor | None     # cache slots of keys 0..last position; None: a fresh sequence (use own k, v)
-    full_mask: torch.Tensor | None     # [1, 1, T, L] bool; None: plain causal
+    key_blocks: torch.Tensor | None    # cache blocks of keys 0..last position; None: a fresh sequence (own k, v)
+    full_mask: torch.Tensor | None     # [1, 1, T, nb * block] bool; None: plain causal
     sliding_mask: torch.Tensor | None
 
 
@@ -87,30 +87,32 @@ def build_batch(rows: list[StepRow], block_size: int, window: int | None, device
         return torch.tensor(values, dtype=torch.long, device=device)
 
     batch = ForwardBatch(tensor(ids), tensor(positions), tensor(slots), tensor(logit_index))
+    def blocks(row: StepRow) -> list[int]:
+        return row.seq.block_table[:-(-row.end // block_size)]
+
     if decode_rows:
         lengths = [row.end for _, row in decode_rows]
-        longest = max(lengths)
-        # Padding repeats a row's own first slot: it is masked out, and never an unwritten (garbage) slot.
-        key_slots = []
-        for _, row in decode_rows:
-            own = _slots(row.seq, 0, row.end, block_size)
-            key_slots.append(own + [own[0]] * (longest - row.end))
+        tables = [blocks(row) for _, row in decode_rows]
+        widest = max(len(t) for t in tables)
+        # Padding repeats a row's own first block: it is masked out, and never an unwritten (garbage) block.
+        key_blocks = tensor([t + [t[0]] * (widest - len(t)) for t in tables])
         q_pos = tensor([n - 1 for n in lengths]).unsqueeze(1)
-        ragged = len(set(lengths)) > 1
-        full = _mask(q_pos, longest, None).unsqueeze(1) if ragged else None
+        span = widest * block_size
+        full = _mask(q_pos, span, None).unsqueeze(1) if any(n != span for n in lengths) else None
         sliding = None
-        if window is not None and longest > window:
-            sliding = _mask(q_pos, longest, window).unsqueeze(1)
-        batch.decode = DecodeGroup(tensor([b for b, _ in decode_rows]), tensor(key_slots), full,
+        if window is not None and max(lengths) > window:
+            sliding = _mask(q_pos, span, window).unsqueeze(1)
+        batch.decode = DecodeGroup(tensor([b for b, _ in decode_rows]), key_blocks, full,
                                    sliding if sliding is not None else full, whole_batch=not prefill_rows)
     for begin, row in prefill_rows:
         t = row.end - row.start
         fresh = row.start == 0
-        key_slots = None if fresh else tensor(_slots(row.seq, 0, row.end, block_size))
+        key_blocks = None if fresh else tensor(blocks(row))
+        span = row.end if fresh else len(key_blocks) * block_size
         q_pos = tensor(list(range(row.start, row.end))).unsqueeze(0)
-        full = None if fresh else _mask(q_pos, row.end, None).unsqueeze(1)
+        full = None if fresh else _mask(q_pos, span, None).unsqueeze(1)
         sliding = full
         if window is not None and row.end > window:
-            sliding = _mask(q_pos, row.end, window).unsqueeze(1)
-        batch.prefills.append(PrefillRow(begin, begin + t, key_slots, full, sliding))
+            sliding = _mask(q_pos, span, window).unsqueeze(1)
+        batch.prefills.append(PrefillRow(begin, begin + t, key_blocks, full, sliding))
     return batch

@@ -17,34 +17,36 @@ class PagedKVCache:
     """Keys and values as [kv_heads, num_blocks * block_size, head_dim] per layer.
 
     Token slot `b * block_size + i` is position i of block b. Head-major, so a gather of one sequence's keys is
-    already the [kv_heads, L, head_dim] layout attention multiplies with. The pool is reserved up front but not
-    touched: pages become resident as blocks are first written (only written slots are ever read).
+    already the [kv_heads, L, head_dim] layout attention multiplies with. The pool is committed up front (zeroed),
+    so the process's memory is what it will be under full load from the start, never growing with the requests.
     """
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (cfg.num_kv_heads, num_blocks * block_size, cfg.head_dim)
-        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [N, kv_heads, head_dim] at token `slots` [N]."""
         self.keys[layer].index_copy_(1, slots, k.transpose(0, 1))
         self.values[layer].index_copy_(1, slots, v.transpose(0, 1))
 
-    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values at `slots` [L] or [B, L] as contiguous [kv_heads, L, head_dim] or [B, kv_heads, L, head_dim]."""
-        k = self.keys[layer].index_select(1, slots.reshape(-1))
-        v = self.values[layer].index_select(1, slots.reshape(-1))
-        if slots.dim() == 1:
-            return k, v
-        b, length = slots.shape
-        heads, dim = k.shape[0], k.shape[2]
+    def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of whole `blocks` [n] or [B, n] as contiguous [kv_heads, n * block_size, head_dim] or
+        [B, kv_heads, n * block_size, head_dim]; slots past a sequence's length are for the caller to mask."""
+        heads, _, dim = self.keys[layer].shape
+        view = (heads, self.num_blocks, self.block_size * dim)
+        k = self.keys[layer].view(view).index_select(1, blocks.reshape(-1))
+        v = self.values[layer].view(view).index_select(1, blocks.reshape(-1))
+        if blocks.dim() == 1:
+            return k.view(heads, -1, dim), v.view(heads, -1, dim)
+        b, n = blocks.shape
         if b == 1:
-            return k.view(1, heads, length, dim), v.view(1, heads, length, dim)
-        return (k.view(heads, b, length, dim).transpose(0, 1).contiguous(),
-                v.view(heads, b, length, dim).transpose(0, 1).contiguous())
+            return k.view(1, heads, n * self.block_size, dim), v.view(1, heads, n * self.block_size, dim)
+        return (k.view(heads, b, n * self.block_size, dim).transpose(0, 1).contiguous(),
+                v.view(heads, b, n * self.block_size, dim).transpose(0, 1).contiguous())
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks (source, destination), for copy-on-write."""

@@ -44,7 +44,10 @@ async def health(request: Request) -> JSONResponse:
     state: ModelState | None = request.app.state.model
     if state is None:
         return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": LOADING_RETRY_AFTER_S})
-    return JSONResponse({"status": "ok", "model": state.model_id, **state.pool.stats()})
+    runner = state.runner
+    return JSONResponse({"status": "ok", "model": state.model_id, "device": str(runner.device),
+                         "dtype": str(runner.dtype).removeprefix("torch."), "quant": runner.quant,
+                         **state.pool.stats()})
 
 
 @router.get("/v1/models", response_model=ModelList)

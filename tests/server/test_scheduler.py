@@ -57,12 +57,12 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_preemption_and_chunking_keep_greedy_outputs(tiny_path: Path) -> None:
-    roomy = load_runner(tiny_path)
+    roomy = load_runner(tiny_path, dtype="float32")
     alone = [_run(roomy, [p])[0][0] for p in PROMPTS]
     assert all(len(t) == MAX_TOKENS for t in alone)
     per_token = kv_bytes_per_token(roomy.config, roomy.dtype)
     # 8 blocks of 16 tokens: six sequences of up to ~44 tokens cannot all stay resident
-    tight = load_runner(tiny_path, kv_cache_memory=per_token * 128, prefix_caching=False)
+    tight = load_runner(tiny_path, dtype="float32", kv_cache_memory=per_token * 128, prefix_caching=False)
     together, sched = _run(tight, PROMPTS, max_batched_tokens=16)
     assert together == alone
     assert sched.preemptions > 0
@@ -70,7 +70,7 @@ def test_preemption_and_chunking_keep_greedy_outputs(tiny_path: Path) -> None:
 
 
 def test_batched_equals_alone_with_prefix_cache(tiny_path: Path) -> None:
-    runner = load_runner(tiny_path)
+    runner = load_runner(tiny_path, dtype="float32")
     alone = [_run(runner, [p])[0][0] for p in PROMPTS]
     together, sched = _run(runner, PROMPTS + PROMPTS[:2])  # the repeats hit the prefix cache
     assert together == alone + alone[:2]
@@ -85,13 +85,13 @@ def test_random_loads_on_a_tiny_pool_always_finish(tiny_path: Path) -> None:
     """
     import random
 
-    base = load_runner(tiny_path)
+    base = load_runner(tiny_path, dtype="float32")
     per_token = kv_bytes_per_token(base.config, base.dtype)
     rng = random.Random(0)
     for _ in range(12):
         n, blocks, budget = rng.randint(4, 10), rng.randint(6, 16), rng.choice([16, 32, 48, 64, 128])
         prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(5, 70))] for _ in range(n)]
-        runner = load_runner(tiny_path, kv_cache_memory=per_token * 16 * blocks, prefix_caching=False)
+        runner = load_runner(tiny_path, dtype="float32", kv_cache_memory=per_token * 16 * blocks, prefix_caching=False)
         outputs, _ = _run(runner, prompts, max_batched_tokens=budget)
         assert all(len(t) == MAX_TOKENS for t in outputs)
         assert runner.blocks.num_used == 0
