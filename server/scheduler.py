@@ -135,9 +135,16 @@ class Scheduler:
             take = min(unit.kv.num_pending, budget)
             # Keep one free block per running sequence so admitting this one does not force a preemption.
             if not blocks.can_allocate(unit.kv, unit.kv.num_computed + take, reserve=len(self.running)):
-                if not self.running and not blocks.can_allocate(unit.kv, unit.kv.num_computed + take):
-                    raise RuntimeError("the KV cache cannot hold even one sequence of this length")
-                break
+                if self.running:
+                    break
+                if not blocks.can_allocate(unit.kv, unit.kv.num_computed + take):
+                    # Nothing runs, so only waiting sequences hold blocks: prefixes they matched before a
+                    # preempted sequence was put back ahead of them. Let those go; they match again in turn.
+                    for other in self.waiting:
+                        if other is not unit and other.kv.block_table:
+                            self.runner.free_sequence(other.kv)
+                    if not blocks.can_allocate(unit.kv, unit.kv.num_computed + take):
+                        raise RuntimeError("the KV cache cannot hold even one sequence of this length")
             self.waiting.popleft()
             blocks.allocate(unit.kv, unit.kv.num_computed + take)
             self.running.append(unit)

@@ -95,3 +95,27 @@ def test_random_loads_on_a_tiny_pool_always_finish(tiny_path: Path) -> None:
         outputs, _ = _run(runner, prompts, max_batched_tokens=budget)
         assert all(len(t) == MAX_TOKENS for t in outputs)
         assert runner.blocks.num_used == 0
+
+
+def test_random_loads_with_shared_prefixes_always_finish(tiny_path: Path) -> None:
+    """As above with the prefix cache on and prompts sharing long prefixes, so waiting sequences hold matched
+    blocks when preemption puts others back ahead of them.
+
+    Seed 0 once failed: with nothing running, the head of the queue could not fit because sequences waiting
+    behind it held their matched prefix blocks ("the KV cache cannot hold even one sequence").
+    """
+    import random
+
+    base = load_runner(tiny_path, dtype="float32")
+    per_token = kv_bytes_per_token(base.config, base.dtype)
+    rng = random.Random(0)
+    shared = [rng.randrange(3, 300) for _ in range(64)]
+    for _ in range(12):
+        n, blocks, budget = rng.randint(4, 10), rng.randint(7, 16), rng.choice([16, 32, 48, 64, 128])
+        prompts = [shared[:rng.randint(16, 64)] + [rng.randrange(3, 300) for _ in range(rng.randint(1, 20))]
+                   for _ in range(n)]
+        prompts = [p[:blocks * 16 - MAX_TOKENS] for p in prompts]  # each fits the pool alone
+        runner = load_runner(tiny_path, dtype="float32", kv_cache_memory=per_token * 16 * blocks)
+        outputs, _ = _run(runner, prompts, max_batched_tokens=budget)
+        assert all(len(t) == MAX_TOKENS for t in outputs)
+        assert runner.blocks.num_used == 0
