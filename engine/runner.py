@@ -19,6 +19,7 @@ from .models import DecoderModel
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("emberserve.engine")
+PARALLEL_STEP_TOKENS = 32  # steps with at least this many tokens (prefill chunks, big batches) use every thread
 
 
 @dataclass(frozen=True, eq=False)
@@ -61,6 +62,11 @@ class Runner:
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
         self.cache = PagedKVCache(self.config, num_blocks, block_size, dtype, device)
         self._session: KVSequence | None = None
+        # Intra-op threads for steps of few tokens (decoding), None: torch's setting for every step. A server
+        # leaves a core to its event loop this way: tiny decode ops gain little from a second thread, and lose
+        # much when a busy core makes every parallel region wait for it.
+        self.decode_threads: int | None = None
+        self.all_threads = torch.get_num_threads()
         self._released: queue.SimpleQueue[KVSequence] = queue.SimpleQueue()  # snapshots collected by the GC
 
     @property
@@ -128,6 +134,9 @@ class Runner:
             self.blocks.allocate(row.seq, row.end)
             self.cache.copy_blocks(self.blocks.prepare_write(row.seq, row.start, row.end))
         batch = build_batch(rows, self.blocks.block_size, self.config.sliding_window, self.device)
+        if self.decode_threads is not None:
+            few = len(batch.ids) < PARALLEL_STEP_TOKENS
+            torch.set_num_threads(self.decode_threads if few else self.all_threads)
         self.model.add_rope(batch, self.dtype)
         logits = self.model(batch, self.cache)
         for row in rows:

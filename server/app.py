@@ -41,6 +41,8 @@ def _load(settings: Settings) -> ModelState:
                              quant=settings.quant,
                              max_context=settings.max_context, kv_cache_memory=settings.kv_cache_memory,
                              prefix_caching=settings.prefix_caching)
+        if runner.device.type == "cpu":
+            runner.decode_threads = max(1, runner.all_threads - 1)
         blocks = runner.blocks
         log.info("worker %d: %s on %s; KV cache: %d blocks = %d tokens (%.0f MiB %s), prefix caching %s", i,
                  runner.name, runner.device, blocks.num_blocks, blocks.num_blocks * blocks.block_size,
@@ -53,8 +55,9 @@ def _load(settings: Settings) -> ModelState:
     runner = workers[0].runner
     model_id = settings.served_model_name or runner.name
     digest = hashlib.sha256(f"{__version__}:{model_id}:{runner.dtype}:{runner.quant}:{runner.device}".encode()).hexdigest()[:10]
-    log.info("loaded %s (%s, %s activations, %s weights on %s, context %d) in %.1fs", model_id, runner.family,
-             str(runner.dtype).removeprefix("torch."), runner.quant, runner.device, runner.context_size,
+    log.info("loaded %s (%s, %s activations, %s weights on %s, %d threads (%s while decoding), context %d) "
+             "in %.1fs", model_id, runner.family, str(runner.dtype).removeprefix("torch."), runner.quant,
+             runner.device, runner.all_threads, runner.decode_threads or runner.all_threads, runner.context_size,
              time.perf_counter() - started)
     return ModelState(model_id=model_id, runner=runner, pool=pool, fingerprint=f"fp_{digest}",
                       created=int(time.time()))
