@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # emberserve vs llama.cpp (llama-cpp-python's server) on the same GGUF, one after the other, same load.
-# Usage: bench/compare_servers.sh [MODEL]   (default smollm2-135m; results in bench/out/*.json and on stdout)
+# Usage: bench/compare_servers.sh [MODEL [bench/serve.py args for the load run]]
+#   (default smollm2-135m and every scenario; results in bench/out/*.json and on stdout)
+#   VARIANTS="default" bench/compare_servers.sh gemma3-270m --concurrency 1 8 --no-prefix   (a narrower run)
 # Per server: the load of bench/serve.py (concurrency 1/4/8/16, ~16 and ~1024-token prompts, 64 tokens, prefix
 # reuse), then one stream of 256 output tokens, then its RSS (now and peak). emberserve runs twice: its default
 # (bfloat16 activations, int4 weights) and the exact float32 path.
@@ -11,6 +13,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${1:-smollm2-135m}
+shift || true
+VARIANTS=${VARIANTS:-"default float32:--dtype=float32"}
 PY=.venv/bin/python
 if [ ! -x .venv-llamacpp/bin/python ]; then
   python3 -m venv .venv-llamacpp
@@ -23,6 +27,7 @@ from engine.tokenizer import Tokenizer
 from engine.weights.gguf import read_gguf_metadata
 tok = Tokenizer.from_gguf_metadata(read_gguf_metadata(sys.argv[1]))
 print(json.dumps({str(t): -100 for t in sorted(tok.end_token_ids)}))" "$GGUF")
+LOAD_ARGS=("$@")
 mkdir -p bench/out
 wait_ready() { for _ in $(seq 600); do curl -sf "$1" >/dev/null && return 0; sleep 0.2; done; return 1; }
 rss() {  # label pid -> bench/out/<label>-rss.json
@@ -30,7 +35,7 @@ rss() {  # label pid -> bench/out/<label>-rss.json
     "/proc/$2/status" | tee "bench/out/$1-rss.json"
 }
 bench() {  # label base-url extra-body
-  $PY bench/serve.py --base-url "$2" --label "$1" --extra-body "$3" --json-out "bench/out/$1.json"
+  $PY bench/serve.py --base-url "$2" --label "$1" --extra-body "$3" --json-out "bench/out/$1.json" "${LOAD_ARGS[@]}"
   $PY bench/serve.py --base-url "$2" --label "$1" --extra-body "$3" --json-out "bench/out/$1-decode256.json" \
     --concurrency 1 --prompt-tokens 16 --max-tokens 256 --requests 3 --no-prefix
 }
@@ -43,7 +48,7 @@ bench "llama.cpp-$MODEL" http://127.0.0.1:8001 "{\"repeat_penalty\": 1.0, \"logi
 rss "llama.cpp-$MODEL" $LLAMA
 kill $LLAMA; wait $LLAMA 2>/dev/null || true
 
-for variant in "default" "float32:--dtype float32"; do
+for variant in $VARIANTS; do
   label="emberserve-$MODEL-${variant%%:*}"
   args=""; [[ "$variant" == *:* ]] && args="${variant#*:}"
   # shellcheck disable=SC2086

@@ -56,7 +56,8 @@ def _load(settings: Settings) -> ModelState:
     model_id = settings.served_model_name or runner.name
     digest = hashlib.sha256(f"{__version__}:{model_id}:{runner.dtype}:{runner.quant}:{runner.device}".encode()).hexdigest()[:10]
     log.info("loaded %s (%s, %s activations, %s weights on %s, %d threads (%s while decoding), context %d) "
-             "in %.1fs", model_id, runner.family, str(runner.dtype).removeprefix("torch."), runner.quant,
+             "in %.1fs", model_id, runner.family, str(runner.dtype).removeprefix("torch."),
+             runner.quant if runner.quant != "none" else "dense",
              runner.device, runner.all_threads, runner.decode_threads or runner.all_threads, runner.context_size,
              time.perf_counter() - started)
     return ModelState(model_id=model_id, runner=runner, pool=pool, fingerprint=f"fp_{digest}",
