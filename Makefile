@@ -30,6 +30,7 @@ test: install
 
 bench: install
 	$(PY) bench/engine_speed.py
+	$(PY) bench/quality.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
