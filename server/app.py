@@ -16,6 +16,7 @@ from engine import load_runner
 
 from . import __version__
 from .errors import install_error_handlers
+from .metrics import ServerMetrics
 from .routes import router
 from .serving import ModelState
 from .serving_chat import ChatServing
@@ -73,8 +74,8 @@ async def _load_in_background(app: FastAPI, settings: Settings) -> None:
         app.state.request_shutdown()
         return
     app.state.model = state
-    app.state.chat = ChatServing(state)
-    app.state.completions = CompletionServing(state)
+    app.state.chat = ChatServing(state, app.state.metrics)
+    app.state.completions = CompletionServing(state, app.state.metrics)
     log.info("serving %s at http://%s:%d/v1", state.model_id, settings.host, settings.port)
 
 
@@ -97,6 +98,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.settings = settings
     app.state.model = None
     app.state.load_error = None
+    app.state.metrics = ServerMetrics(lambda: app.state.model.pool.stats() if app.state.model is not None else None)
     # The CLI replaces this with a graceful stop of its uvicorn server; embedded uses get a SIGTERM.
     app.state.request_shutdown = lambda: os.kill(os.getpid(), signal.SIGTERM)
     install_error_handlers(app)

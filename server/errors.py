@@ -68,18 +68,25 @@ def _validation_message(err: dict[str, Any]) -> str:
     return f"{param}: {msg}" if param else msg
 
 
+def _answer(request: Request, error: APIError) -> JSONResponse:
+    """The error's response, counted in the app's metrics by its type."""
+    if error.status != 499:  # the client went away: nobody reads this, and its sequences count as aborted
+        request.app.state.metrics.fail(error.type)
+    return error.response()
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Every error path answers the OpenAI envelope; tracebacks go to the log, never to the client."""
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _answer(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         message = "; ".join(_validation_message(e) for e in errors[:5]) or "invalid request"
-        return invalid(message, param=_error_param(errors)).response()
+        return _answer(request, invalid(message, param=_error_param(errors)))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -88,9 +95,9 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"{request.method} {request.url.path}: {what}"
         else:
             message = str(exc.detail)
-        return APIError(exc.status_code, message, headers=getattr(exc, "headers", None)).response()
+        return _answer(request, APIError(exc.status_code, message, headers=getattr(exc, "headers", None)))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return APIError(500, "internal server error", type="server_error").response()
+        return _answer(request, APIError(500, "internal server error", type="server_error"))

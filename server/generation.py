@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass, field
 
 from .sampling import SamplingParams
@@ -65,6 +66,7 @@ class Generation:
     ignore_eos: bool = False
     prompt_logprobs: int | None = None  # top-N for echoed prompt tokens; None: not wanted
     request_id: str = ""
+    arrival: float = field(default_factory=time.perf_counter)  # when the request came in, for the latency metrics
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     _cancelled: threading.Event = field(default_factory=threading.Event)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from .errors import APIError, invalid
@@ -48,6 +48,12 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ok", "model": state.model_id, "device": str(runner.device),
                          "dtype": str(runner.dtype).removeprefix("torch."), "quant": runner.quant,
                          **state.pool.stats()})
+
+
+@router.get("/metrics", summary="Prometheus metrics, named as vLLM's with the prefix emberserve:")
+async def metrics(request: Request) -> Response:
+    body, content_type = request.app.state.metrics.exposition()
+    return Response(body, media_type=content_type)
 
 
 @router.get("/v1/models", response_model=ModelList)

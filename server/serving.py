@@ -13,8 +13,10 @@ from engine import Runner
 
 from .errors import APIError, invalid
 from .generation import Event, Generation, GenerationDone, GenerationFailed
+from .metrics import ServerMetrics
 from .protocol import OpenAIRequest, TopLogprob, Usage
 from .sampling import SamplingParams
+from .sse import sse_error
 from .worker import WorkerPool
 
 log = logging.getLogger("emberserve.serving")
@@ -53,8 +55,8 @@ def request_id(prefix: str) -> str:
 class OpenAIServing:
     """Shared request handling for the chat and completions endpoints."""
 
-    def __init__(self, state: ModelState) -> None:
-        self.state = state
+    def __init__(self, state: ModelState, metrics: ServerMetrics) -> None:
+        self.state, self.metrics = state, metrics
         self.runner = state.runner
         self.tokenizer = state.runner.tokenizer
 
@@ -104,7 +106,7 @@ class OpenAIServing:
         return requested
 
     def new_generation(self, req: OpenAIRequest, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
-                       rid: str, prompt_logprobs: int | None = None) -> Generation:
+                       rid: str, arrival: float, prompt_logprobs: int | None = None) -> Generation:
         if not prompt_ids:
             raise invalid("the prompt is empty: at least one token is needed", param="prompt")
         if req.min_tokens > max_tokens:
@@ -112,7 +114,8 @@ class OpenAIServing:
                           param="min_tokens")
         return Generation(prompt_ids=prompt_ids, params=params, max_tokens=max_tokens, n=req.n, stop=req.stop,
                           stop_token_ids=self.tokenizer.end_token_ids, min_tokens=req.min_tokens,
-                          ignore_eos=req.ignore_eos, prompt_logprobs=prompt_logprobs, request_id=rid)
+                          ignore_eos=req.ignore_eos, prompt_logprobs=prompt_logprobs, request_id=rid,
+                          arrival=arrival)
 
     def submit(self, gens: list[Generation]) -> None:
         """Queue the generations (429 when the queue is full); on failure none of them stays queued."""
@@ -131,6 +134,7 @@ class OpenAIServing:
         """
         loop = asyncio.get_running_loop()
         next_poll = loop.time() + DISCONNECT_POLL_S
+        track = self.metrics.track(gen)
         try:
             while True:
                 if request is None:
@@ -148,13 +152,20 @@ class OpenAIServing:
                             return
                     if event is None:
                         continue
+                track.observe(event)
                 if isinstance(event, GenerationFailed):
                     raise APIError(event.status, event.message, type="server_error" if event.status >= 500 else None)
                 yield event
                 if isinstance(event, GenerationDone):
                     return
         finally:
+            track.close()
             gen.cancel()
+
+    def stream_error(self, error: APIError) -> str:
+        """A failure after the stream started, counted (the error handlers never see it) and as its SSE event."""
+        self.metrics.fail(error.type)
+        return sse_error(error)
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
         return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,

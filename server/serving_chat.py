@@ -14,13 +14,14 @@ from .generation import ChoiceDelta, Generation, GenerationDone, TokenLogprob
 from .protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ResponseMessage,
                        TokenLogprob as TokenLogprobModel)
 from .serving import OpenAIServing, request_id
-from .sse import DONE, event_json, sse_error, sse_response
+from .sse import DONE, event_json, sse_response
 
 
 class ChatServing(OpenAIServing):
     """Chat completions over the served model's chat template."""
 
     async def create(self, req: ChatCompletionRequest, request: Request) -> ChatCompletionResponse | Any:
+        arrival = time.perf_counter()
         self.check_model(req.model)
         self.log_unknown_fields(req)
         if req.tools and req.tool_choice != "none":
@@ -34,7 +35,7 @@ class ChatServing(OpenAIServing):
         max_tokens = self.max_tokens(len(ids), budget)
         params = self.sampling_params(req, req.logprobs, req.top_logprobs or 0)
         rid = request_id("chatcmpl")
-        gen = self.new_generation(req, ids, params, max_tokens, rid)
+        gen = self.new_generation(req, ids, params, max_tokens, rid, arrival)
         self.submit([gen])
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -111,5 +112,5 @@ class ChatServing(OpenAIServing):
                     usage = self.usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens).model_dump()
                     yield chunk([], usage, last=True)
         except APIError as e:
-            yield sse_error(e)
+            yield self.stream_error(e)
         yield DONE

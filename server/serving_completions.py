@@ -13,7 +13,7 @@ from .errors import APIError, invalid
 from .generation import ChoiceDelta, Generation, GenerationDone, PromptLogprobs, TokenLogprob
 from .protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from .serving import OpenAIServing, check_token_ids, request_id
-from .sse import DONE, event_json, sse_error, sse_response
+from .sse import DONE, event_json, sse_response
 
 
 @dataclass
@@ -53,6 +53,7 @@ class CompletionServing(OpenAIServing):
     """Legacy text completions, one Generation per prompt, `n` choices each."""
 
     async def create(self, req: CompletionRequest, request: Request) -> CompletionResponse | Any:
+        arrival = time.perf_counter()
         self.check_model(req.model)
         self.log_unknown_fields(req)
         if req.suffix:
@@ -63,7 +64,7 @@ class CompletionServing(OpenAIServing):
         top_n = req.logprobs
         params = self.sampling_params(req, top_n is not None, top_n or 0)
         rid = request_id("cmpl")
-        gens = [self.new_generation(req, p.ids, params, self.max_tokens(len(p.ids), req.max_tokens), rid,
+        gens = [self.new_generation(req, p.ids, params, self.max_tokens(len(p.ids), req.max_tokens), rid, arrival,
                                     prompt_logprobs=top_n if req.echo and top_n is not None else None)
                 for p in prompts]
         self.submit(gens)
@@ -180,5 +181,5 @@ class CompletionServing(OpenAIServing):
             if include_usage:
                 yield chunk([], self.usage(prompt_tokens, completion_tokens, cached_tokens).model_dump())
         except APIError as e:
-            yield sse_error(e)
+            yield self.stream_error(e)
         yield DONE

@@ -108,6 +108,10 @@ def test_failure_mid_stream_is_an_error_event_then_done(failing, path: str, body
         assert_envelope(error["error"])
         assert error["error"]["type"] == "server_error"
         assert failure.raised == 1
+        # Counted once as a failure, though no error handler sees it, and not as a client that left.
+        metric = app.state.metrics.registry.get_sample_value
+        assert metric("emberserve:request_failure_total", {"error_type": "server_error"}) == 1
+        assert metric("emberserve:request_success_total", {"finished_reason": "abort"}) == 0
         # The worker survives and serves the next request.
         failure.on = False
         ok = await http.post(path, json=body)
@@ -157,6 +161,9 @@ def test_failure_without_stream_is_a_500_envelope(failing, path: str, body: dict
         ok = await http.post(path, json=body)
         assert ok.status_code == 200, ok.text
         assert ok.json()["usage"]["completion_tokens"] == body["max_tokens"]
+        metric = app.state.metrics.registry.get_sample_value
+        assert metric("emberserve:request_failure_total", {"error_type": "server_error"}) == 1
+        assert metric("emberserve:request_success_total", {"finished_reason": "length"}) == 1
 
     run_app(scenario)
 
