@@ -87,6 +87,7 @@ def build_batch(rows: list[StepRow], block_size: int, window: int | None, device
         return torch.tensor(values, dtype=torch.long, device=device)
 
     batch = ForwardBatch(tensor(ids), tensor(positions), tensor(slots), tensor(logit_index))
+
     def blocks(row: StepRow) -> list[int]:
         return row.seq.block_table[:-(-row.end // block_size)]
 

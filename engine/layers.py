@@ -45,16 +45,11 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int, freq_factors: torch.Tensor | 
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [*positions.shape, head_dim] for rotate-half rotary embeddings."""
+    """cos and sign-folded sin [N, 1, head_dim] of `positions` [N], the tables `apply_rope` takes."""
     angles = positions.float().unsqueeze(-1) * inv_freq
-    emb = torch.cat((angles, angles), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def rope_cos_sin_signed(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and the sign-folded sin [N, 1, D] that `apply_rope` takes (rotate-half as a roll)."""
-    half = sin.shape[-1] // 2
-    return cos.unsqueeze(-2), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(-2)
+    cos, sin = angles.cos(), angles.sin()
+    return (torch.cat((cos, cos), dim=-1).to(dtype).unsqueeze(-2),
+            torch.cat((-sin, sin), dim=-1).to(dtype).unsqueeze(-2))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..batch import ForwardBatch
 from ..kv_cache import PagedKVCache
-from ..layers import RMSNorm, rope_cos_sin, rope_cos_sin_signed, rope_inv_freq
+from ..layers import RMSNorm, rope_cos_sin, rope_inv_freq
 
 
 class DecoderModel(nn.Module):
@@ -26,9 +26,9 @@ class DecoderModel(nn.Module):
 
     def add_rope(self, batch: ForwardBatch, dtype: torch.dtype) -> None:
         """cos/sin of the batch's positions for each rope kind its layers use."""
-        batch.rope["global"] = rope_cos_sin_signed(*rope_cos_sin(self.inv_freq, batch.positions, dtype))
+        batch.rope["global"] = rope_cos_sin(self.inv_freq, batch.positions, dtype)
         if self.local_inv_freq is not None:
-            batch.rope["local"] = rope_cos_sin_signed(*rope_cos_sin(self.local_inv_freq, batch.positions, dtype))
+            batch.rope["local"] = rope_cos_sin(self.local_inv_freq, batch.positions, dtype)
 
     def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
         """Float32 logits [R, vocab] at the batch's `logit_index` positions."""
