@@ -23,12 +23,25 @@ class DecoderModel(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
         local = rope_inv_freq(cfg.local_rope, cfg.head_dim) if cfg.local_rope else None
         self.register_buffer("local_inv_freq", local, persistent=False)
+        # Intra-op threads for the output projection alone (None: as the rest). One big matmul per step gains
+        # from every core even when the small ops around it run on fewer (see Runner.decode_threads).
+        self.head_threads: int | None = None
 
     def add_rope(self, batch: ForwardBatch, dtype: torch.dtype) -> None:
         """cos/sin of the batch's positions for each rope kind its layers use."""
         batch.rope["global"] = rope_cos_sin(self.inv_freq, batch.positions, dtype)
         if self.local_inv_freq is not None:
             batch.rope["local"] = rope_cos_sin(self.local_inv_freq, batch.positions, dtype)
+
+    def _output_projection(self, x: torch.Tensor) -> torch.Tensor:
+        if self.head_threads is None:
+            return self.lm_head(x)
+        body = torch.get_num_threads()
+        torch.set_num_threads(self.head_threads)
+        try:
+            return self.lm_head(x)
+        finally:
+            torch.set_num_threads(body)
 
     def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
         """Float32 logits [R, vocab] at the batch's `logit_index` positions."""
@@ -37,8 +50,8 @@ class DecoderModel(nn.Module):
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         for layer in self.layers:
             x = layer(x, batch, cache)
-        x = x.index_select(0, batch.logit_index)
-        logits = self.lm_head(self.norm(x)).float()
+        x = self.norm(x.index_select(0, batch.logit_index))
+        logits = self._output_projection(x).float()
         if self.cfg.final_logit_softcap:
             cap = self.cfg.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap
