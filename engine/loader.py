@@ -99,13 +99,12 @@ def _quantize_modules(model: DecoderModel, state: dict[str, Any], quant: str, dt
         mode = quant if requantize_floats or isinstance(weight, Affine4Bit) else "int8"
         model.set_submodule(name, quantized_linear(weight, bias, mode, dtype))
     embedding = state.pop("embed_tokens.weight")
-    if isinstance(embedding, Affine4Bit):
-        embedding = embedding.dequantize()
     head = model.lm_head
     if tied_embedding and isinstance(head, Int8Linear):  # one int8 table serves the lookup and the output matmul
         model.embed_tokens = Int8Embedding.sharing(head, dtype)
     else:
-        model.embed_tokens = Int8Embedding(*quantize_int8(embedding), dtype)
+        dense = embedding.dequantize() if isinstance(embedding, Affine4Bit) else embedding
+        model.embed_tokens = Int8Embedding(*quantize_int8(dense), dtype)
 
 
 def _materialise(cfg: ModelConfig, state: dict[str, Any], device: torch.device, dtype: torch.dtype,
