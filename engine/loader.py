@@ -19,6 +19,7 @@ from .quant import QUANT_MODES, Affine4Bit, Int8Embedding, Int8Linear, quantize_
 from .registry import KNOWN_MODELS
 from .runner import Runner
 from .tokenizer import Tokenizer
+from .weights import Progress, no_progress
 from .weights.gguf import load_gguf
 from .weights.safetensors import load_safetensors_dir
 
@@ -85,16 +86,16 @@ def _fuse_projections(state: dict[str, Any], cfg: ModelConfig) -> None:
 
 
 def _quantize_modules(model: DecoderModel, state: dict[str, Any], quant: str, dtype: torch.dtype,
-                      requantize_floats: bool) -> None:
+                      requantize_floats: bool, progress: Progress) -> None:
     """Swap every Linear for its quantized form (the embedding too), taking their weights out of `state`.
 
     `requantize_floats` False (a GGUF file): float weights there were stored with more than 4 bits, so in int4
     mode they become int8 rather than losing precision; True (a float checkpoint): `quant` applies to all.
     """
     tied_embedding = state["lm_head.weight"] is state["embed_tokens.weight"]
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear):
-            continue
+    linears = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    for done, name in enumerate(linears, 1):
+        progress(f"packing {quant} weights", done, len(linears))
         weight, bias = state.pop(f"{name}.weight"), state.pop(f"{name}.bias", None)
         mode = quant if requantize_floats or isinstance(weight, Affine4Bit) else "int8"
         model.set_submodule(name, quantized_linear(weight, bias, mode, dtype))
@@ -108,7 +109,7 @@ def _quantize_modules(model: DecoderModel, state: dict[str, Any], quant: str, dt
 
 
 def _materialise(cfg: ModelConfig, state: dict[str, Any], device: torch.device, dtype: torch.dtype,
-                 quant: str, requantize_floats: bool, source: str) -> DecoderModel:
+                 quant: str, requantize_floats: bool, source: str, progress: Progress) -> DecoderModel:
     with torch.device("meta"):
         model = build_model(cfg)
     if cfg.tie_embeddings or "lm_head.weight" not in state:
@@ -120,7 +121,7 @@ def _materialise(cfg: ModelConfig, state: dict[str, Any], device: torch.device, 
         raise ModelFormatError(f"{source}: weights do not match the {cfg.family} architecture; "
                                f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     if quant != "none":
-        _quantize_modules(model, state, quant, dtype, requantize_floats)
+        _quantize_modules(model, state, quant, dtype, requantize_floats, progress)
     converted: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
         if isinstance(tensor, Affine4Bit):
@@ -181,11 +182,12 @@ def kv_cache_tokens(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, 
 def load_runner(source: str | os.PathLike[str], device: str | torch.device = "cpu",
                 dtype: str | torch.dtype | None = None, max_context: int | None = None,
                 kv_cache_memory: int | None = None, prefix_caching: bool = True,
-                quant: str | None = None) -> Runner:
+                quant: str | None = None, progress: Progress = no_progress) -> Runner:
     """A ready Runner for a known model name, a .gguf file, or a safetensors directory.
 
     `kv_cache_memory` (bytes) sizes the paged KV pool; `prefix_caching` lets prompts reuse cached prefixes;
-    `quant` ("none", "int8", "int4"; default per device and source, see `resolve_quant`) keeps weights compressed.
+    `quant` ("none", "int8", "int4"; default per device and source, see `resolve_quant`) keeps weights compressed;
+    `progress(stage, done, total)` is told as tensors are read and packed.
     """
     device = torch.device(device)
     name, defaults, template = str(source), {}, None
@@ -197,13 +199,13 @@ def load_runner(source: str | os.PathLike[str], device: str | torch.device = "cp
     freq_factors = None
     if path.is_dir():
         quant, dtype = resolve_quant(quant, dtype, device, quantized_source=False)
-        cfg, state, _ = load_safetensors_dir(path)
+        cfg, state, _ = load_safetensors_dir(path, progress)
         tokenizer = Tokenizer.from_pretrained_dir(path)
         gen = _read_json(path / "generation_config.json")
         defaults |= {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in gen}
     elif path.is_file() and path.suffix == ".gguf":
         quant, dtype = resolve_quant(quant, dtype, device, quantized_source=True)
-        cfg, state, meta, freq_factors = load_gguf(path, keep_4bit=quant == "int4")
+        cfg, state, meta, freq_factors = load_gguf(path, keep_4bit=quant == "int4", progress=progress)
         tokenizer = Tokenizer.from_gguf_metadata(meta)
     elif path.exists():
         raise ModelFormatError(f"{path}: not a model: expected a .gguf file or a safetensors directory")
@@ -212,7 +214,8 @@ def load_runner(source: str | os.PathLike[str], device: str | torch.device = "cp
                                f"({', '.join(KNOWN_MODELS)}) nor an existing path")
     if template is not None:
         tokenizer.set_chat_template(template)
-    model = _materialise(cfg, state, device, dtype, quant, requantize_floats=path.is_dir(), source=str(path))
+    model = _materialise(cfg, state, device, dtype, quant, requantize_floats=path.is_dir(), source=str(path),
+                        progress=progress)
     _rebuild_buffers(model, device, freq_factors)
     context = max_context or cfg.max_position
     _return_freed_memory()

@@ -11,13 +11,17 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from engine import load_runner
 
 from . import __version__
 from .errors import install_error_handlers
 from .metrics import ServerMetrics
+from .progress import LoadProgress
+from .request_context import REQUEST_ID_HEADER, RequestContext
 from .routes import router
+from .security import ApiKeyAuth, BodySizeLimit
 from .serving import ModelState
 from .serving_chat import ChatServing
 from .serving_completions import CompletionServing
@@ -37,11 +41,12 @@ def _worker_device(settings: Settings, index: int) -> str:
 def _load(settings: Settings) -> ModelState:
     started = time.perf_counter()
     workers = []
+    progress = LoadProgress(interactive=None if settings.log_format == "text" else False)
     for i in range(settings.workers):
         runner = load_runner(settings.model, device=_worker_device(settings, i), dtype=settings.dtype,
                              quant=settings.quant,
                              max_context=settings.max_context, kv_cache_memory=settings.kv_cache_memory,
-                             prefix_caching=settings.prefix_caching)
+                             prefix_caching=settings.prefix_caching, progress=progress)
         if runner.device.type == "cpu":
             runner.decode_threads = max(1, runner.all_threads - 1)
         blocks = runner.blocks
@@ -62,7 +67,7 @@ def _load(settings: Settings) -> ModelState:
              runner.device, runner.all_threads, runner.decode_threads or runner.all_threads, runner.context_size,
              time.perf_counter() - started)
     return ModelState(model_id=model_id, runner=runner, pool=pool, fingerprint=f"fp_{digest}",
-                      created=int(time.time()))
+                      created=int(time.time()), max_prompt_tokens=settings.max_prompt_tokens)
 
 
 async def _load_in_background(app: FastAPI, settings: Settings) -> None:
@@ -76,7 +81,8 @@ async def _load_in_background(app: FastAPI, settings: Settings) -> None:
     app.state.model = state
     app.state.chat = ChatServing(state, app.state.metrics)
     app.state.completions = CompletionServing(state, app.state.metrics)
-    log.info("serving %s at http://%s:%d/v1", state.model_id, settings.host, settings.port)
+    log.info("serving %s at http://%s:%d/v1%s", state.model_id, settings.host, settings.port,
+             " (API key required)" if settings.api_key else "")
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -98,9 +104,24 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.settings = settings
     app.state.model = None
     app.state.load_error = None
+    app.state.in_flight = 0        # requests being answered, probes and scrapes aside
+    app.state.draining = False     # set by SIGTERM: /health answers 503 and new requests are refused
     app.state.metrics = ServerMetrics(lambda: app.state.model.pool.stats() if app.state.model is not None else None)
     # The CLI replaces this with a graceful stop of its uvicorn server; embedded uses get a SIGTERM.
     app.state.request_shutdown = lambda: os.kill(os.getpid(), signal.SIGTERM)
     install_error_handlers(app)
     app.include_router(router)
+    _add_middleware(app, settings)
     return app
+
+
+def _add_middleware(app: FastAPI, settings: Settings) -> None:
+    """Outermost first: CORS (preflights need no key), request context, API key, body size."""
+    app.add_middleware(BodySizeLimit, limit=settings.max_request_bytes)
+    if settings.api_key is not None:
+        app.add_middleware(ApiKeyAuth, api_key=settings.api_key.get_secret_value())
+    app.add_middleware(RequestContext)
+    if settings.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                           expose_headers=[REQUEST_ID_HEADER], allow_credentials="*" not in settings.allowed_origins)

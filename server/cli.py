@@ -5,33 +5,58 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
 
 import uvicorn
+from pydantic import ValidationError
 
 from engine import KNOWN_MODELS, ModelFormatError, ModelNotInstalledError
 from engine.__main__ import add_commands, run
-from engine.quant import QUANT_MODES
 
+from . import __version__
 from .app import create_app
-from .settings import DEFAULT_HOST, DEFAULT_PORT, Settings, parse_bytes
+from .lifecycle import DrainingServer
+from .logs import configure_logging
+from .settings import Settings, env_name, flag_name
 
 EXIT_LOAD_FAILED = 3
+FINAL_CLOSE_S = 1  # after the drain: how long uvicorn waits for open responses before cancelling them
+log = logging.getLogger("emberserve")
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _choices(annotation: Any) -> list[str] | None:
+    """The strings a Literal[...] (or Literal[...] | None) annotation allows; None for anything else."""
+    if get_origin(annotation) is Literal:
+        return [str(a) for a in get_args(annotation)]
+    for arg in get_args(annotation):
+        if get_origin(arg) is Literal:
+            return _choices(arg)
+    return None
+
+
+def _settings_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per Settings field; a flag left out leaves the environment variable or the default in force."""
+    for name, info in Settings.model_fields.items():
+        help_text = f"{info.description} [env {env_name(name)}]".replace("%", "%%")
+        if info.annotation is bool:
+            parser.add_argument(flag_name(name), dest=name, action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=help_text)
+        else:
+            parser.add_argument(flag_name(name), dest=name, default=argparse.SUPPRESS, choices=_choices(info.annotation),
+                                help=help_text)
+    parser.add_argument("--no-prefix-cache", dest="prefix_caching", action="store_false", default=argparse.SUPPRESS,
+                        help="the same as --no-prefix-caching")
 
 
 def _serve(args: argparse.Namespace) -> int:
-    settings = Settings(model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
-                        quant=args.quant,
-                        max_context=args.max_context, served_model_name=args.served_model_name,
-                        log_level=args.log_level, workers=args.workers, max_queued=args.max_queued,
-                        max_running=args.max_running, max_batched_tokens=args.max_batched_tokens,
-                        kv_cache_memory=args.kv_cache_memory, prefix_caching=not args.no_prefix_cache)
+    given = {name: value for name, value in vars(args).items() if name in Settings.model_fields}
+    try:
+        settings = Settings(**given)
+    except ValidationError as e:
+        for err in e.errors():
+            name = str(err["loc"][0]) if err["loc"] else "settings"
+            print(f"error: {flag_name(name)} / {env_name(name)}: {err['msg']}", file=sys.stderr)
+        return 2
     # Fail before binding the port when there is clearly nothing to load.
     known = KNOWN_MODELS.get(settings.model)
     try:
@@ -43,11 +68,14 @@ def _serve(args: argparse.Namespace) -> int:
     except (ModelNotInstalledError, ModelFormatError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_level, settings.log_format)
     app = create_app(settings)
-    print(f"emberserve: loading {settings.model}; will listen on http://{settings.host}:{settings.port}/v1",
-          flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level))
+    log.info("emberserve %s: loading %s on %s; will listen on http://%s:%d/v1", __version__, settings.model,
+             settings.device, settings.host, settings.port)
+    log.debug("settings: %r", settings)  # SecretStr: the API key shows as '**********'
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            log_config=None, access_log=False, timeout_graceful_shutdown=FINAL_CLOSE_S)
+    server = DrainingServer(config, app, grace=settings.shutdown_grace)
     app.state.request_shutdown = lambda: setattr(server, "should_exit", True)
     server.run()
     if app.state.load_error:
@@ -60,30 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="emberserve", description="OpenAI-compatible LLM server")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over the OpenAI API")
-    serve.add_argument("--model", default=Settings.model, help="known model name, .gguf file or safetensors dir")
-    serve.add_argument("--host", default=DEFAULT_HOST)
-    serve.add_argument("--port", type=int, default=DEFAULT_PORT)
-    serve.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
-    serve.add_argument("--dtype", default=None,
-                       help="activations: float32 or bfloat16 (default: bfloat16; float32 for unquantized "
-                            "checkpoints on CPU)")
-    serve.add_argument("--quant", default=None, choices=QUANT_MODES,
-                       help="weights kept as int8 per-channel or int4 group-wise (CPU); default: int4 for a GGUF "
-                            "model on CPU unless --dtype float32, else none")
-    serve.add_argument("--max-context", type=int, default=None, help="cap the context below the model's")
-    serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: its name)")
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    serve.add_argument("--workers", type=_positive, default=Settings.workers,
-                       help="runners, each on its own thread (with --device cuda: one per GPU)")
-    serve.add_argument("--max-queued", type=int, default=Settings.max_queued,
-                       help="waiting requests per worker before answering 429")
-    serve.add_argument("--max-running", type=_positive, default=Settings.max_running,
-                       help="sequences batched together")
-    serve.add_argument("--max-batched-tokens", type=_positive, default=Settings.max_batched_tokens,
-                       help="tokens per forward pass; longer prompts are prefilled in chunks")
-    serve.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
-                       help="memory for the paged KV cache, e.g. 1GiB (default: 512MiB on CPU, 90%% of free GPU memory)")
-    serve.add_argument("--no-prefix-cache", action="store_true", help="do not reuse cached prompt prefixes")
+    _settings_arguments(serve)
     serve.set_defaults(func=_serve)
     add_commands(sub)
     return run(parser.parse_args(argv))

@@ -14,6 +14,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_late
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from .generation import ChoiceDelta, Event, Generation, GenerationFailed
+from .request_context import RequestRecord
 
 PREFIX = "emberserve:"
 FINISH_REASONS = ("stop", "length", "abort")
@@ -96,9 +97,9 @@ class ServerMetrics:
         """An error answered to the client, by its OpenAI `type`."""
         self.failure.labels(error_type).inc()
 
-    def track(self, gen: Generation) -> GenerationTrack:
-        """A tracker for one submitted generation's events."""
-        return GenerationTrack(self, gen)
+    def track(self, gen: Generation, record: RequestRecord | None = None) -> GenerationTrack:
+        """A tracker for one submitted generation's events, also filling in its request's log record."""
+        return GenerationTrack(self, gen, record)
 
     def exposition(self) -> tuple[bytes, str]:
         """The registry in the Prometheus text format, and its content type."""
@@ -110,8 +111,9 @@ class ServerMetrics:
 class GenerationTrack:
     """The clocks of one generation's choices, fed its events as the serving layer hands them on."""
 
-    def __init__(self, metrics: ServerMetrics, gen: Generation) -> None:
+    def __init__(self, metrics: ServerMetrics, gen: Generation, record: RequestRecord | None) -> None:
         self.metrics, self.arrival, self.prompt_len = metrics, gen.arrival, len(gen.prompt_ids)
+        self.record = record
         self.last: list[float | None] = [None] * gen.n
         self.open = set(range(gen.n))
         self.prefilled = self.failed = False
@@ -126,17 +128,23 @@ class GenerationTrack:
         if not self.prefilled:  # the first delta comes once the prompt is computed
             self.prefilled = True
             self.metrics.prompt_tokens.inc(self.prompt_len)
+            if self.record is not None:
+                self.record.prompt_tokens += self.prompt_len
         i = event.index
         for _ in event.tokens:
             last = self.last[i]
             if last is None:
                 self.metrics.observe_first_token(self.arrival, now)
+                if self.record is not None and self.record.ttft is None:
+                    self.record.ttft = now - self.arrival
             else:
                 self.metrics.observe_token(last, now)
             self.last[i] = now
+        if self.record is not None:
+            self.record.output_tokens += len(event.tokens)
         if event.finish_reason is not None:
             self.open.discard(i)
-            self.metrics.finish(self.arrival, now, event.finish_reason)
+            self._finish(now, event.finish_reason)
 
     def close(self) -> None:
         """Choices left open when nobody reads on (the client went away) finished as 'abort', as in vLLM."""
@@ -144,5 +152,10 @@ class GenerationTrack:
             return
         now = time.perf_counter()
         for _ in self.open:
-            self.metrics.finish(self.arrival, now, "abort")
+            self._finish(now, "abort")
         self.open.clear()
+
+    def _finish(self, now: float, reason: str) -> None:
+        self.metrics.finish(self.arrival, now, reason)
+        if self.record is not None:
+            self.record.finish_reasons.append(reason)

@@ -39,9 +39,16 @@ def _card(state: ModelState) -> ModelCard:
     return ModelCard(id=state.model_id, created=state.created, max_model_len=state.runner.context_size)
 
 
-@router.get("/health", summary="503 while the model loads, 200 when ready")
+@router.get("/livez", summary="liveness: 200 while the process answers HTTP")
+async def livez() -> JSONResponse:
+    return JSONResponse({"status": "alive"})
+
+
+@router.get("/health", summary="readiness: 503 while the model loads or the server drains, 200 when ready")
 async def health(request: Request) -> JSONResponse:
     state: ModelState | None = request.app.state.model
+    if request.app.state.draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
     if state is None:
         return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": LOADING_RETRY_AFTER_S})
     runner = state.runner

@@ -15,6 +15,7 @@ from .errors import APIError, invalid
 from .generation import Event, Generation, GenerationDone, GenerationFailed
 from .metrics import ServerMetrics
 from .protocol import OpenAIRequest, TopLogprob, Usage
+from .request_context import current_request
 from .sampling import SamplingParams
 from .sse import sse_error
 from .worker import WorkerPool
@@ -32,6 +33,7 @@ class ModelState:
     pool: WorkerPool
     fingerprint: str
     created: int
+    max_prompt_tokens: int | None = None  # the operator's cap on prompt length, below the context
 
 
 def check_model(state: ModelState, name: str) -> None:
@@ -61,6 +63,10 @@ class OpenAIServing:
         self.tokenizer = state.runner.tokenizer
 
     def check_model(self, name: str) -> None:
+        """404 unless `name` is the served model; the request log names it either way."""
+        record = current_request()
+        if record is not None:
+            record.model = name
         check_model(self.state, name)
 
     def log_unknown_fields(self, req: OpenAIRequest) -> None:
@@ -107,8 +113,13 @@ class OpenAIServing:
 
     def new_generation(self, req: OpenAIRequest, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
                        rid: str, arrival: float, prompt_logprobs: int | None = None) -> Generation:
+        param = "messages" if hasattr(req, "messages") else "prompt"
         if not prompt_ids:
-            raise invalid("the prompt is empty: at least one token is needed", param="prompt")
+            raise invalid("the prompt is empty: at least one token is needed", param=param)
+        limit = self.state.max_prompt_tokens
+        if limit is not None and len(prompt_ids) > limit:
+            raise invalid(f"the prompt has {len(prompt_ids)} tokens; this server accepts at most {limit}",
+                          param=param, code="prompt_too_long")
         if req.min_tokens > max_tokens:
             raise invalid(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})",
                           param="min_tokens")
@@ -134,7 +145,7 @@ class OpenAIServing:
         """
         loop = asyncio.get_running_loop()
         next_poll = loop.time() + DISCONNECT_POLL_S
-        track = self.metrics.track(gen)
+        track = self.metrics.track(gen, current_request())
         try:
             while True:
                 if request is None:

@@ -1,39 +1,123 @@
-"""`Settings`: everything the server is started with, from the command line."""
+"""`Settings`: everything the server is started with, from `EMBERSERVE_*` environment variables and CLI flags.
+
+One pydantic-settings model is the single source: the CLI flags, the environment variable names, their
+validation and the README's table are all derived from its fields.
+"""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Field, SecretStr, field_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from engine.registry import DEFAULT_MODEL
 
+ENV_PREFIX = "EMBERSERVE_"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
 
 
-def parse_bytes(text: str) -> int:
+def parse_bytes(text: str | int) -> int:
     """'1GiB', '512MiB', '2G', '1000000' → bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"not a memory size: {text!r} (use e.g. 512MiB, 2GiB, or bytes)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-@dataclass(frozen=True)
-class Settings:
-    model: str = DEFAULT_MODEL            # a known model name, a .gguf file or a safetensors directory
-    host: str = DEFAULT_HOST
-    port: int = DEFAULT_PORT
-    device: str = "cpu"
-    dtype: str | None = None              # None: bfloat16 (float32 for an unquantized model on CPU)
-    quant: str | None = None              # none/int8/int4; None: int4 for a quantized (GGUF) model on CPU
-    max_context: int | None = None        # cap below the model's trained context
-    served_model_name: str | None = None  # the id clients send as `model`; default: the model's name
-    log_level: str = "info"
-    workers: int = 1                      # runners, each on its own thread (and device, on a multi-GPU host)
-    max_queued: int = 256                 # waiting requests per worker before answering 429
-    max_running: int = 32                 # sequences decoding together in one batch
-    max_batched_tokens: int = 512         # tokens per forward pass; longer prompts are prefilled in chunks
-    kv_cache_memory: int | None = None    # bytes for the paged KV pool; None: the engine's default
-    prefix_caching: bool = True
+Bytes = Annotated[int, BeforeValidator(parse_bytes)]
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+class Settings(BaseSettings):
+    """The server's configuration. Precedence: CLI flag, then `EMBERSERVE_<NAME>` variable, then default."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="forbid", case_sensitive=False)
+
+    model: str = Field(DEFAULT_MODEL, description="a known model name, a .gguf file or a safetensors directory")
+    host: str = Field(DEFAULT_HOST, description="address to listen on (0.0.0.0 in the container image)")
+    port: int = Field(DEFAULT_PORT, ge=0, le=65535, description="port to listen on")
+    device: str = Field("cpu", description="torch device: cpu, cuda, cuda:1, ...")
+    dtype: Literal["float32", "bfloat16"] | None = Field(
+        None, description="activations (default: bfloat16; float32 for unquantized checkpoints on CPU)")
+    quant: Literal["none", "int8", "int4"] | None = Field(
+        None, description="weights kept as int8 per-channel or int4 group-wise (CPU); default: int4 for a GGUF "
+                          "model on CPU unless dtype is float32, else none")
+    max_context: PositiveInt | None = Field(None, description="cap the context below the model's")
+    served_model_name: str | None = Field(None, description="the model id clients send (default: the model's name)")
+    workers: PositiveInt = Field(1, description="runners, each on its own thread (with device cuda: one per GPU)")
+    max_queued: int = Field(256, ge=0, description="waiting requests per worker before answering 429")
+    max_running: PositiveInt = Field(32, description="sequences decoding together in one batch")
+    max_batched_tokens: PositiveInt = Field(
+        512, description="tokens per forward pass; longer prompts are prefilled in chunks")
+    kv_cache_memory: Bytes | None = Field(
+        None, description="memory for the paged KV cache, e.g. 1GiB (default: 512MiB on CPU, 90% of free GPU memory)")
+    prefix_caching: bool = Field(True, description="reuse the KV cache of prompt prefixes seen before")
+    max_prompt_tokens: PositiveInt | None = Field(
+        None, description="longest prompt accepted, in tokens (default: the context size); longer ones get a 400")
+    max_request_bytes: Bytes = Field(
+        8 * 2**20, ge=1, description="largest request body accepted; larger ones get a 413")
+    api_key: SecretStr | None = Field(
+        None, description="when set, every route but /health, /livez and /metrics (the probes and the scrape) "
+                          "needs `Authorization: Bearer <key>`")
+    allowed_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="comma-separated origins allowed by CORS, or * (default: CORS off)")
+    shutdown_grace: float = Field(
+        30.0, ge=0, description="seconds a SIGTERM waits for in-flight requests before exiting")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+    log_format: Literal["text", "json"] = Field("text", description="text lines, or one JSON object per line")
+
+    @field_validator("allowed_origins", mode="before")
+    @classmethod
+    def _split_origins(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [o.strip() for o in value.split(",") if o.strip()]
+        return value
+
+    @field_validator("port", mode="before")
+    @classmethod
+    def _not_a_service_link(cls, value: Any) -> Any:
+        if isinstance(value, str) and "://" in value:  # Kubernetes injects EMBERSERVE_PORT=tcp://... for a Service
+            raise ValueError(f"{value!r} looks like a Kubernetes service link (a Service named emberserve): set "
+                             "enableServiceLinks: false on the pod, or EMBERSERVE_PORT explicitly")
+        return value
+
+    @field_validator("dtype", "quant", "log_level", "log_format", mode="before")
+    @classmethod
+    def _lower(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+
+def env_name(field: str) -> str:
+    return f"{ENV_PREFIX}{field.upper()}"
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def _default_text(info: FieldInfo) -> str:
+    if info.default_factory is not None:
+        return "(none)"
+    value = info.default
+    if value is None:
+        return "(auto)" if "default" in (info.description or "") else "(none)"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, int) and value >= 2**20 and value % 2**20 == 0:
+        return f"{value // 2**20}MiB"
+    return str(value)
+
+
+def settings_table() -> str:
+    """The Markdown table of every setting: flag, environment variable, default, meaning (kept in the README)."""
+    rows = ["| flag | environment variable | default | meaning |", "|---|---|---|---|"]
+    for name, info in Settings.model_fields.items():
+        rows.append(f"| `{flag_name(name)}` | `{env_name(name)}` | `{_default_text(info)}` | {info.description} |")
+    return "\n".join(rows)

@@ -10,6 +10,7 @@ import torch
 from ..config import ModelConfig, config_from_gguf
 from ..errors import UnsupportedModelError
 from ..quant import Affine4Bit
+from . import Progress, no_progress
 from .dequant import affine_4bit, dequantize
 from .gguf_format import GGUFFile, read_gguf_metadata
 
@@ -47,7 +48,7 @@ def _param_name(gguf_name: str, family: str) -> str | None:
     return None if target is None else f"layers.{layer}.{target}.{kind}"
 
 
-def load_gguf(path: str | os.PathLike[str], keep_4bit: bool = False
+def load_gguf(path: str | os.PathLike[str], keep_4bit: bool = False, progress: Progress = no_progress
               ) -> tuple[ModelConfig, dict[str, torch.Tensor | Affine4Bit], dict[str, Any], torch.Tensor | None]:
     """(config, float32 state dict in the decoder's names, metadata, llama3 rope frequency factors or None).
 
@@ -56,7 +57,9 @@ def load_gguf(path: str | os.PathLike[str], keep_4bit: bool = False
     gguf = GGUFFile(path)
     cfg = config_from_gguf(gguf.metadata, has_output_tensor="output.weight" in gguf.tensors)
     state: dict[str, torch.Tensor] = {}
-    for name, entry in gguf.tensors.items():
+    total = len(gguf.tensors)
+    for done, (name, entry) in enumerate(gguf.tensors.items(), 1):
+        progress("reading weights", done, total)
         if name in _IGNORED:
             continue
         param = _param_name(name, cfg.family)

@@ -10,6 +10,7 @@ from safetensors import safe_open
 
 from ..config import ModelConfig, config_from_hf
 from ..errors import ModelFormatError
+from . import Progress, no_progress
 
 # Checkpoints nest the decoder under different prefixes (plain, multimodal gemma3).
 _PREFIXES = ("model.language_model.", "language_model.model.", "model.")
@@ -42,7 +43,8 @@ def _param_name(name: str) -> str | None:
     return name
 
 
-def load_safetensors_dir(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
+def load_safetensors_dir(directory: str | Path, progress: Progress = no_progress
+                         ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
     """(config, float32 state dict in the decoder's names, the raw config.json)."""
     directory = Path(directory)
     config_path = directory / "config.json"
@@ -51,10 +53,13 @@ def load_safetensors_dir(directory: str | Path) -> tuple[ModelConfig, dict[str, 
     raw_cfg = json.loads(config_path.read_text())
     cfg = config_from_hf(raw_cfg)
     state: dict[str, torch.Tensor] = {}
-    for file in _shard_files(directory):
+    files = _shard_files(directory)
+    for done, file in enumerate(files, 1):
         try:
             with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
+                names = list(f.keys())
+                for i, name in enumerate(names, 1):
+                    progress(f"reading shard {done}/{len(files)}", i, len(names))
                     param = _param_name(name)
                     if param is not None:
                         state[param] = f.get_tensor(name).float()

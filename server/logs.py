@@ -1,0 +1,65 @@
+"""Logging set-up: `text` lines or one JSON object per line, the current request's id on every record."""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from datetime import datetime, timezone
+from typing import Any
+
+from .request_context import current_request
+
+_TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class _RequestIdFilter(logging.Filter):
+    """Tags each record with the id of the request whose code wrote it (None outside requests)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        current = current_request()
+        record.request_id = current.id if current is not None else None
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, request id, and a request log's fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {"time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(
+            timespec="milliseconds"), "level": record.levelname.lower(), "logger": record.name,
+            "message": record.getMessage()}
+        if getattr(record, "request_id", None) is not None:
+            out["request_id"] = record.request_id
+        out |= getattr(record, "request", None) or {}
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+class TextFormatter(logging.Formatter):
+    """The usual text line; a request log adds its fields as key=value."""
+
+    def __init__(self) -> None:
+        super().__init__(_TEXT_FORMAT)
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        fields = getattr(record, "request", None)
+        if fields:
+            line += " " + " ".join(f"{k}={v}" for k, v in fields.items() if k not in ("method", "path", "status"))
+        return line
+
+
+def configure_logging(level: str, fmt: str) -> None:
+    """Route every logger (uvicorn's too) through one stderr handler in `fmt` ("text" or "json")."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    handler.addFilter(_RequestIdFilter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logging.getLogger(name).handlers[:] = []
+        logging.getLogger(name).propagate = True
+    # emberserve.access writes one line per request with more in it than uvicorn's access line.
+    logging.getLogger("uvicorn.access").disabled = True
