@@ -1,0 +1,337 @@
+"""deploy/: every kustomization renders offline (`kubectl kustomize`) and validates strictly against the Kubernetes
+schemas (`kubernetes-validate --strict`, which ships them), and the manifests, the compose file and the Prometheus
+config wire the server's contract: ports, probe paths, settings names, the API key from a Secret, selectors, the
+drain on SIGTERM, the GPU overlay's resources and scheduling.
+
+Needs kubectl on PATH (kustomize is built into it); the validator and PyYAML come with the dev dependencies.
+"""
+from __future__ import annotations
+
+import base64
+import copy
+import functools
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from server.metrics import PREFIX as METRIC_PREFIX
+from server.settings import DEFAULT_PORT, ENV_PREFIX, Settings
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+K8S = DEPLOY / "k8s"
+KUSTOMIZATIONS = ("base", "overlays/cpu", "overlays/gpu")
+# The oldest Kubernetes the manifests claim (the native preStop `sleep` is on by default from 1.30) and the newest
+# whose schemas kubernetes-validate ships. Both are validated.
+K8S_VERSIONS = ("1.30.0", "1.37.0")
+# Every EMBERSERVE_* variable the server reads: one per field of the settings model.
+KNOWN_SETTINGS = frozenset(f"{ENV_PREFIX}{name.upper()}" for name in Settings.model_fields)
+VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+PLACEHOLDER_KEY_MARK = "REPLACE-ME"
+# Proxies that go nowhere: the validator must work from the schemas in its package, with no network.
+OFFLINE_ENV = {**os.environ, "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9",
+               "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9", "NO_PROXY": "", "no_proxy": ""}
+
+
+# --- rendering and validating ----------------------------------------------------------------------------------------
+
+def kubectl() -> str:
+    path = shutil.which("kubectl")
+    if path is None:
+        pytest.fail("kubectl is not on PATH: the deploy tests render deploy/k8s with `kubectl kustomize` "
+                    "(kubectl >= 1.27, which has kustomize v5 built in). Install kubectl and run them again.")
+    return path
+
+
+@functools.cache
+def render_text(kustomization: str) -> str:
+    done = subprocess.run([kubectl(), "kustomize", str(K8S / kustomization)], capture_output=True, text=True,
+                          timeout=60, env=OFFLINE_ENV)
+    assert done.returncode == 0, f"kubectl kustomize {kustomization} failed:\n{done.stderr}"
+    return done.stdout
+
+
+def render(kustomization: str) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(render_text(kustomization)) if doc]
+
+
+def validation_problems(manifests: str, version: str) -> list[str]:
+    """What `kubernetes-validate --strict` objects to; a resource it has no schema for counts too (it only warns)."""
+    done = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict", "-k", version, "-"],
+                          input=manifests, capture_output=True, text=True, timeout=120, env=OFFLINE_ENV)
+    lines = (done.stdout + done.stderr).splitlines()
+    problems = [line for line in lines if not line.startswith("INFO ")]
+    if done.returncode != 0 and not problems:
+        problems = [f"exit status {done.returncode}"]
+    if not problems:
+        resources = [doc for doc in yaml.safe_load_all(manifests) if doc]
+        passed = [line for line in lines if line.startswith("INFO ") and " passed for resource " in line]
+        assert len(passed) == len(resources), f"the validator did not pass every resource:\n{done.stdout}"
+    return problems
+
+
+def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+    return found[0]
+
+
+def container(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    containers = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert [c["name"] for c in containers] == ["emberserve"]
+    return containers[0]
+
+
+def settings_env(docs: list[dict[str, Any]]) -> dict[str, str]:
+    """The EMBERSERVE_* environment the container gets: its ConfigMap (envFrom) and its own env entries."""
+    c = container(docs)
+    config_maps = {d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"}
+    env: dict[str, str] = {}
+    for source in c.get("envFrom", []):
+        name = source["configMapRef"]["name"]
+        assert name in config_maps, f"envFrom names ConfigMap {name}, which the render does not contain"
+        env.update(config_maps[name])
+    env.update({e["name"]: e.get("value") for e in c.get("env", [])})
+    return {k: v for k, v in env.items() if k.startswith(ENV_PREFIX)}
+
+
+def matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+@pytest.fixture(scope="module", params=KUSTOMIZATIONS)
+def docs(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    return render(request.param)
+
+
+# --- the renders are valid Kubernetes --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_renders_and_validates_strictly(kustomization: str, version: str) -> None:
+    manifests = render_text(kustomization)
+    kinds = sorted(d["kind"] for d in render(kustomization))
+    assert kinds == ["ConfigMap", "Deployment", "HorizontalPodAutoscaler", "PodDisruptionBudget", "Secret",
+                     "Service"]
+    assert validation_problems(manifests, version) == []
+
+
+def _unknown_field(d: dict) -> None:
+    d["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["pth"] = "/health"
+
+
+def _wrong_type(d: dict) -> None:
+    d["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = "eight thousand"
+
+
+def _unknown_api(d: dict) -> None:
+    d["apiVersion"] = "apps/v1beta9"
+
+
+@pytest.mark.parametrize("breakage", [_unknown_field, _wrong_type, _unknown_api])
+def test_the_validation_rejects_a_broken_manifest(breakage) -> None:
+    """The harness can fail: the same Deployment, broken one way, does not pass."""
+    deployment = copy.deepcopy(one(render("base"), "Deployment"))
+    breakage(deployment)
+    assert validation_problems(yaml.safe_dump(deployment), K8S_VERSIONS[0]) != []
+
+
+# --- what the server needs -------------------------------------------------------------------------------------------
+
+def test_port_is_the_servers(docs: list[dict[str, Any]]) -> None:
+    c = container(docs)
+    [port] = c["ports"]
+    assert port["containerPort"] == DEFAULT_PORT
+    env = settings_env(docs)
+    assert env["EMBERSERVE_PORT"] == str(port["containerPort"])
+    assert env["EMBERSERVE_HOST"] in ("0.0.0.0", "::")
+    service = one(docs, "Service")
+    [service_port] = service["spec"]["ports"]
+    assert service_port["targetPort"] in (port["name"], port["containerPort"])
+    pod_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert matches(service["spec"]["selector"], pod_labels)
+    annotations = one(docs, "Deployment")["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(port["containerPort"])
+    assert annotations["prometheus.io/path"] == "/metrics"
+
+
+def test_probes(docs: list[dict[str, Any]]) -> None:
+    c = container(docs)
+    port_names = {p["name"] for p in c["ports"]} | {p["containerPort"] for p in c["ports"]}
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/livez"
+    # The startup probe waits for the model (readiness), and holds off liveness while it loads.
+    assert c["startupProbe"]["httpGet"]["path"] == "/health"
+    assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 120
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"]["port"] in port_names
+
+
+def test_settings_are_real_and_logs_are_json(docs: list[dict[str, Any]]) -> None:
+    env = settings_env(docs)
+    assert set(env) <= KNOWN_SETTINGS, f"not server settings: {sorted(set(env) - KNOWN_SETTINGS)}"
+    assert env["EMBERSERVE_LOG_FORMAT"] == "json"
+    # Each value parses as the server would parse it (the API key's comes from the Secret).
+    Settings.model_validate({k.removeprefix(ENV_PREFIX).lower(): v for k, v in env.items() if v is not None})
+
+
+def test_api_key_comes_from_the_secret(docs: list[dict[str, Any]]) -> None:
+    [key_env] = [e for e in container(docs)["env"] if e["name"] == "EMBERSERVE_API_KEY"]
+    assert "value" not in key_env
+    ref = key_env["valueFrom"]["secretKeyRef"]
+    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
+    assert ref["name"] in secrets, f"secretKeyRef names {ref['name']}, which the render does not contain"
+    assert ref["key"] in secrets[ref["name"]]["data"]
+    for config_map in (d for d in docs if d["kind"] == "ConfigMap"):
+        assert "EMBERSERVE_API_KEY" not in config_map.get("data", {})
+    # What the repository holds is a placeholder, never a key.
+    assert PLACEHOLDER_KEY_MARK in base64.b64decode(secrets[ref["name"]]["data"][ref["key"]]).decode()
+
+
+def test_selectors_match_the_pods(docs: list[dict[str, Any]]) -> None:
+    deployment = one(docs, "Deployment")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    assert matches(selector, pod_labels)
+    pdb = one(docs, "PodDisruptionBudget")
+    assert pdb["spec"]["selector"]["matchLabels"] == selector
+    assert ("minAvailable" in pdb["spec"]) != ("maxUnavailable" in pdb["spec"])
+    target = one(docs, "HorizontalPodAutoscaler")["spec"]["scaleTargetRef"]
+    assert (target["apiVersion"], target["kind"], target["name"]) == \
+        (deployment["apiVersion"], "Deployment", deployment["metadata"]["name"])
+    for constraint in deployment["spec"]["template"]["spec"].get("topologySpreadConstraints", []):
+        assert matches(constraint["labelSelector"]["matchLabels"], pod_labels)
+    # The HPA owns the replica count; a fixed one would reset it on every apply.
+    assert "replicas" not in deployment["spec"]
+
+
+def test_shutdown_drains_within_the_grace_period(docs: list[dict[str, Any]]) -> None:
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    grace = float(settings_env(docs).get("EMBERSERVE_SHUTDOWN_GRACE",
+                                         Settings.model_fields["shutdown_grace"].default))
+    pre_stop = container(docs).get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+    assert pod["terminationGracePeriodSeconds"] > pre_stop + grace
+
+
+def test_pod_is_locked_down(docs: list[dict[str, Any]]) -> None:
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    c = container(docs)
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] == 10001
+    assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    assert pod["automountServiceAccountToken"] is False
+    # A Service named emberserve would otherwise inject EMBERSERVE_PORT=tcp://..., which the server cannot parse.
+    assert pod["enableServiceLinks"] is False
+    sc = c["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    [tmp] = [m for m in c["volumeMounts"] if m["mountPath"] == "/tmp"]
+    assert "emptyDir" in volumes[tmp["name"]]
+
+
+def test_resources_and_threads(docs: list[dict[str, Any]]) -> None:
+    c = container(docs)
+    for kind in ("requests", "limits"):
+        assert {"cpu", "memory"} <= set(c["resources"][kind])
+    [threads] = [e for e in c["env"] if e["name"] == "OMP_NUM_THREADS"]
+    assert threads["valueFrom"]["resourceFieldRef"]["resource"] == "limits.cpu"
+
+
+# --- the overlays ----------------------------------------------------------------------------------------------------
+
+def test_cpu_overlay() -> None:
+    docs = render("overlays/cpu")
+    c = container(docs)
+    assert c["image"] == f"emberserve:{VERSION}-cpu"
+    assert settings_env(docs)["EMBERSERVE_DEVICE"] == "cpu"
+    assert "nvidia.com/gpu" not in render_text("overlays/cpu")
+    hpa = one(docs, "HorizontalPodAutoscaler")["spec"]
+    assert hpa["minReplicas"] >= 2
+    [metric] = hpa["metrics"]
+    assert metric["type"] == "Resource" and metric["resource"]["name"] == "cpu"
+    assert metric["resource"]["target"]["type"] == "Utilization"
+
+
+def test_gpu_overlay() -> None:
+    docs = render("overlays/gpu")
+    c = container(docs)
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    assert c["image"] == f"emberserve:{VERSION}-cuda"
+    assert str(c["resources"]["limits"]["nvidia.com/gpu"]) == "1"
+    assert pod["nodeSelector"]["nvidia.com/gpu.present"] == "true"
+    assert any(t["key"] == "nvidia.com/gpu" and t["effect"] == "NoSchedule" for t in pod["tolerations"])
+    assert settings_env(docs)["EMBERSERVE_DEVICE"] == "cuda"
+    # The queue metric the HPA asks for is the one the adapter rule serves, from the server's own metric.
+    [metric] = one(docs, "HorizontalPodAutoscaler")["spec"]["metrics"]
+    assert metric["type"] == "Pods"
+    adapter = yaml.safe_load((K8S / "overlays/gpu/prometheus-adapter-values.yaml").read_text())
+    [rule] = adapter["rules"]["custom"]
+    assert rule["name"]["as"] == metric["pods"]["metric"]["name"]
+    assert re.match(rule["name"]["matches"], f"{METRIC_PREFIX}num_requests_waiting")
+    assert rule["seriesQuery"].startswith(f"{METRIC_PREFIX}num_requests_waiting{{")
+
+
+def test_base_is_the_cpu_image() -> None:
+    assert container(render("base"))["image"] == f"emberserve:{VERSION}-cpu"
+
+
+# --- docker compose and Prometheus -----------------------------------------------------------------------------------
+
+@functools.cache
+def compose() -> dict[str, Any]:
+    return yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+
+
+def test_compose_builds_and_runs_the_server() -> None:
+    server = compose()["services"]["emberserve"]
+    assert (DEPLOY / server["build"]["context"]).resolve() == REPO
+    assert (REPO / server["build"]["dockerfile"]).is_file()
+    assert server["image"] == f"emberserve:{VERSION}-cpu"
+    env = server["environment"]
+    assert set(k for k in env if k.startswith(ENV_PREFIX)) <= KNOWN_SETTINGS
+    port = int(env["EMBERSERVE_PORT"])
+    assert port == DEFAULT_PORT
+    assert any(p.endswith(f":{port}") for p in server["ports"])
+    assert env["EMBERSERVE_HOST"] == "0.0.0.0"
+    # The key is required from the environment, never written here.
+    assert env["EMBERSERVE_API_KEY"].startswith("${EMBERSERVE_API_KEY:?")
+    health = " ".join(server["healthcheck"]["test"])
+    assert f"127.0.0.1:{port}/health" in health
+    stop_grace = float(server["stop_grace_period"].removesuffix("s"))
+    assert stop_grace > float(env["EMBERSERVE_SHUTDOWN_GRACE"])
+    assert env["OMP_NUM_THREADS"] == server["deploy"]["resources"]["limits"]["cpus"]
+
+
+def test_prometheus_scrapes_the_server() -> None:
+    services = compose()["services"]
+    prometheus = services["prometheus"]
+    image, _, tag = prometheus["image"].partition(":")
+    assert image == "prom/prometheus" and re.fullmatch(r"v\d+\.\d+\.\d+", tag), "pin Prometheus to a release"
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in prometheus["volumes"]}
+    config_file = DEPLOY / mounts["/etc/prometheus/prometheus.yml"]
+    config = yaml.safe_load(config_file.read_text())
+    [job] = [j for j in config["scrape_configs"] if j["job_name"] == "emberserve"]
+    assert job.get("metrics_path", "/metrics") == "/metrics"
+    targets = [t for sc in job["static_configs"] for t in sc["targets"]]
+    assert targets == [f"emberserve:{services['emberserve']['environment']['EMBERSERVE_PORT']}"]
+
+
+def test_docker_compose_config_accepts_the_file() -> None:
+    """The compose schema, where the docker compose plugin is installed (it needs no engine)."""
+    docker = shutil.which("docker")
+    if docker is None or subprocess.run([docker, "compose", "version"], capture_output=True).returncode != 0:
+        pytest.skip("no `docker compose` plugin here; the structure tests above still ran")
+    done = subprocess.run([docker, "compose", "-f", str(DEPLOY / "docker-compose.yml"), "config", "--quiet"],
+                          capture_output=True, text=True, timeout=60,
+                          env={**OFFLINE_ENV, "EMBERSERVE_API_KEY": "test-key"})
+    assert done.returncode == 0, done.stderr
