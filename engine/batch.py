@@ -1,8 +1,8 @@
 """`ForwardBatch`: the rows of one forward pass (prefill chunks and decode tokens of many sequences), flattened.
 
-All new tokens of all rows form one [N] sequence for the projections and MLPs, the bulk of the work. Attention
-is per row: rows with one new token form one batched decode group reading their keys through the block tables;
-each longer chunk (a prefill) attends on its own.
+All new tokens of all rows form one [N] sequence for the projections and MLPs, the bulk of the work: the decode
+tokens (rows of one new token) first, then the prefill chunks. Attention is per row: the decode rows form one
+batched group reading their keys through the block tables; each longer chunk (a prefill) attends on its own.
 """
 from __future__ import annotations
 
@@ -25,11 +25,13 @@ class StepRow:
 
 @dataclass
 class DecodeGroup:
-    token_index: torch.Tensor          # [Bd] where the rows' tokens sit in the flat batch
-    key_blocks: torch.Tensor           # [Bd, nb] cache blocks holding each row's keys (padded with its first block)
+    size: int                          # Bd: the rows' tokens are the first Bd of the flat batch
+    key_blocks: torch.Tensor | None    # [Bd, nb] cache blocks holding each row's keys (padded with its first block)
     full_mask: torch.Tensor | None     # [Bd, 1, 1, nb * block] bool; None when every slot of every row is a key
     sliding_mask: torch.Tensor | None
-    whole_batch: bool = False          # the group is every token of the batch, in order (pure decode step)
+    # One row whose blocks are consecutive: its keys are cache slots [first, first + length), read in place
+    # (no gather, no mask); key_blocks and the masks are then None.
+    key_span: tuple[int, int] | None = None
 
 
 @dataclass
@@ -46,7 +48,7 @@ class ForwardBatch:
     ids: torch.Tensor                  # [N]
     positions: torch.Tensor            # [N]
     slots: torch.Tensor                # [N] cache slot each new token's key/value is written to
-    logit_index: torch.Tensor          # [R] flat positions whose logits are returned
+    logit_index: torch.Tensor          # [R] flat positions whose logits are returned, in the order of the rows
     decode: DecodeGroup | None = None
     prefills: list[PrefillRow] = field(default_factory=list)
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -67,21 +69,28 @@ def _mask(q_pos: torch.Tensor, kv_len: int, window: int | None) -> torch.Tensor:
     return mask
 
 
+def _consecutive(table: list[int]) -> bool:
+    return table[-1] - table[0] == len(table) - 1 and all(b - a == 1 for a, b in zip(table, table[1:]))
+
+
 def build_batch(rows: list[StepRow], block_size: int, window: int | None, device: torch.device) -> ForwardBatch:
     """Lay out `rows` as one flat forward pass; `window` is the sliding-window size (None: no sliding layers)."""
-    ids, positions, slots, logit_index = [], [], [], []
-    decode_rows: list[tuple[int, StepRow]] = []
-    prefill_rows: list[tuple[int, StepRow]] = []
-    for row in rows:
-        begin = len(ids)
+    decode_rows = [row for row in rows if row.end - row.start == 1]
+    prefill_rows = [row for row in rows if row.end - row.start != 1]
+    ids, positions, slots = [], [], []
+    begins: dict[int, int] = {}
+    for row in decode_rows + prefill_rows:
+        begins[id(row)] = len(ids)
         ids += row.seq.tokens[row.start:row.end]
         positions += range(row.start, row.end)
         slots += _slots(row.seq, row.start, row.end, block_size)
+    logit_index: list[int] = []
+    for row in rows:
+        begin = begins[id(row)]
         if row.logits == "all":
-            logit_index += range(begin, len(ids))
+            logit_index += range(begin, begin + row.end - row.start)
         elif row.logits == "last":
-            logit_index.append(len(ids) - 1)
-        (decode_rows if row.end - row.start == 1 else prefill_rows).append((begin, row))
+            logit_index.append(begin + row.end - row.start - 1)
 
     def tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
@@ -91,9 +100,12 @@ def build_batch(rows: list[StepRow], block_size: int, window: int | None, device
     def blocks(row: StepRow) -> list[int]:
         return row.seq.block_table[:-(-row.end // block_size)]
 
-    if decode_rows:
-        lengths = [row.end for _, row in decode_rows]
-        tables = [blocks(row) for _, row in decode_rows]
+    if len(decode_rows) == 1 and _consecutive(blocks(decode_rows[0])):
+        row = decode_rows[0]
+        batch.decode = DecodeGroup(1, None, None, None, key_span=(row.seq.block_table[0] * block_size, row.end))
+    elif decode_rows:
+        lengths = [row.end for row in decode_rows]
+        tables = [blocks(row) for row in decode_rows]
         widest = max(len(t) for t in tables)
         # Padding repeats a row's own first block: it is masked out, and never an unwritten (garbage) block.
         key_blocks = tensor([t + [t[0]] * (widest - len(t)) for t in tables])
@@ -103,9 +115,9 @@ def build_batch(rows: list[StepRow], block_size: int, window: int | None, device
         sliding = None
         if window is not None and max(lengths) > window:
             sliding = _mask(q_pos, span, window).unsqueeze(1)
-        batch.decode = DecodeGroup(tensor([b for b, _ in decode_rows]), key_blocks, full,
-                                   sliding if sliding is not None else full, whole_batch=not prefill_rows)
-    for begin, row in prefill_rows:
+        batch.decode = DecodeGroup(len(decode_rows), key_blocks, full, sliding if sliding is not None else full)
+    for row in prefill_rows:
+        begin = begins[id(row)]
         t = row.end - row.start
         fresh = row.start == 0
         key_blocks = None if fresh else tensor(blocks(row))

@@ -68,8 +68,14 @@ class BlockManager:
     def can_allocate(self, seq: KVSequence, total_tokens: int, reserve: int = 0) -> bool:
         return self.blocks_needed(seq, total_tokens) + reserve <= self.num_free
 
-    def _take(self) -> int:
-        if self._free:
+    def _take(self, after: int | None = None) -> int:
+        """A free block; the one right after block `after` if that one is free, so that a sequence's keys tend to
+        stay one run of slots, which attention then reads in place instead of gathering (see batch.py)."""
+        nxt = None if after is None else after + 1
+        if nxt is not None and nxt < self.num_blocks and self.refcount[nxt] == 0 and nxt not in self._hash_of:
+            self._free.remove(nxt)  # unreferenced and not cached: it is on the free list
+            block = nxt
+        elif self._free:
             block = self._free.pop()
         else:
             block, _ = self._evictable.popitem(last=False)
@@ -82,7 +88,8 @@ class BlockManager:
         need = self.blocks_needed(seq, total_tokens)
         if need > self.num_free:
             raise NoFreeBlocks(f"KV cache full: {need} blocks needed, {self.num_free} free of {self.num_blocks}")
-        seq.block_table.extend(self._take() for _ in range(need))
+        for _ in range(need):
+            seq.block_table.append(self._take(seq.block_table[-1] if seq.block_table else None))
 
     def _decref(self, block: int) -> None:
         self.refcount[block] -= 1
@@ -126,7 +133,7 @@ class BlockManager:
             if self.refcount[block] > 1 or block in self._hash_of:
                 if not self.num_free:
                     raise NoFreeBlocks("KV cache full: no block for a copy-on-write")
-                fresh = self._take()
+                fresh = self._take(seq.block_table[i - 1] if i else None)
                 copies.append((block, fresh))
                 self._decref(block)
                 seq.block_table[i] = fresh

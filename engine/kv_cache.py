@@ -48,6 +48,11 @@ class PagedKVCache:
         return (k.view(heads, b, n * self.block_size, dim).transpose(0, 1).contiguous(),
                 v.view(heads, b, n * self.block_size, dim).transpose(0, 1).contiguous())
 
+    def span(self, layer: int, first: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of slots [first, first + length) as [1, kv_heads, length, head_dim] views (no copy)."""
+        return (self.keys[layer][:, first:first + length].unsqueeze(0),
+                self.values[layer][:, first:first + length].unsqueeze(0))
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks (source, destination), for copy-on-write."""
         if not pairs:

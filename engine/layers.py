@@ -85,14 +85,20 @@ class Attention(nn.Module):
         cache.write(self.layer, batch.slots, k, v)
         out = None
         if (group := batch.decode) is not None:
-            keys, values = cache.gather(self.layer, group.key_blocks)  # [Bd, kv_heads, L, D]
-            mask = group.sliding_mask if self.sliding else group.full_mask
-            # A pure decode step (the common case) needs no picking of rows in and out of the flat batch.
-            qd = q if group.whole_batch else q.index_select(0, group.token_index)
-            o = self._decode_attention(qd, keys, values, mask)
-            if group.whole_batch:
+            if group.key_span is not None:
+                first, length = group.key_span
+                if self.sliding and length > self.cfg.sliding_window:  # only the window's keys are visible
+                    first, length = first + length - self.cfg.sliding_window, self.cfg.sliding_window
+                keys, values = cache.span(self.layer, first, length)
+                mask = None
+            else:
+                keys, values = cache.gather(self.layer, group.key_blocks)  # [Bd, kv_heads, L, D]
+                mask = group.sliding_mask if self.sliding else group.full_mask
+            o = self._decode_attention(q[:group.size], keys, values, mask)
+            if group.size == n:  # a pure decode step, the common case
                 return self.o_proj(o.reshape(n, -1))
-            out = torch.empty_like(q).index_copy_(0, group.token_index, o)
+            out = torch.empty_like(q)
+            out[:group.size] = o
         out = torch.empty_like(q) if out is None else out
         for row in batch.prefills:
             if row.key_blocks is None:  # a fresh sequence: its keys are exactly the chunk's own

@@ -86,7 +86,7 @@ def _fuse_projections(state: dict[str, Any], cfg: ModelConfig) -> None:
 
 
 def _quantize_modules(model: DecoderModel, state: dict[str, Any], quant: str, dtype: torch.dtype,
-                      requantize_floats: bool, progress: Progress) -> None:
+                      requantize_floats: bool, progress: Progress, dense_prefill: bool) -> None:
     """Swap every Linear for its quantized form (the embedding too), taking their weights out of `state`.
 
     `requantize_floats` False (a GGUF file): float weights there were stored with more than 4 bits, so in int4
@@ -98,7 +98,9 @@ def _quantize_modules(model: DecoderModel, state: dict[str, Any], quant: str, dt
         progress(f"packing {quant} weights", done, len(linears))
         weight, bias = state.pop(f"{name}.weight"), state.pop(f"{name}.bias", None)
         mode = quant if requantize_floats or isinstance(weight, Affine4Bit) else "int8"
-        model.set_submodule(name, quantized_linear(weight, bias, mode, dtype))
+        # The output projection sees one row per sequence even in prefill: a dense copy would never be used.
+        keep_dense = dense_prefill and name != "lm_head"
+        model.set_submodule(name, quantized_linear(weight, bias, mode, dtype, keep_dense))
     embedding = state.pop("embed_tokens.weight")
     head = model.lm_head
     if tied_embedding and isinstance(head, Int8Linear):  # one int8 table serves the lookup and the output matmul
@@ -109,7 +111,8 @@ def _quantize_modules(model: DecoderModel, state: dict[str, Any], quant: str, dt
 
 
 def _materialise(cfg: ModelConfig, state: dict[str, Any], device: torch.device, dtype: torch.dtype,
-                 quant: str, requantize_floats: bool, source: str, progress: Progress) -> DecoderModel:
+                 quant: str, requantize_floats: bool, source: str, progress: Progress,
+                 dense_prefill: bool) -> DecoderModel:
     with torch.device("meta"):
         model = build_model(cfg)
     if cfg.tie_embeddings or "lm_head.weight" not in state:
@@ -121,7 +124,7 @@ def _materialise(cfg: ModelConfig, state: dict[str, Any], device: torch.device, 
         raise ModelFormatError(f"{source}: weights do not match the {cfg.family} architecture; "
                                f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     if quant != "none":
-        _quantize_modules(model, state, quant, dtype, requantize_floats, progress)
+        _quantize_modules(model, state, quant, dtype, requantize_floats, progress, dense_prefill)
     converted: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
         if isinstance(tensor, Affine4Bit):
@@ -182,12 +185,13 @@ def kv_cache_tokens(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, 
 def load_runner(source: str | os.PathLike[str], device: str | torch.device = "cpu",
                 dtype: str | torch.dtype | None = None, max_context: int | None = None,
                 kv_cache_memory: int | None = None, prefix_caching: bool = True,
-                quant: str | None = None, progress: Progress = no_progress) -> Runner:
+                quant: str | None = None, progress: Progress = no_progress, dense_prefill: bool = True) -> Runner:
     """A ready Runner for a known model name, a .gguf file, or a safetensors directory.
 
     `kv_cache_memory` (bytes) sizes the paged KV pool; `prefix_caching` lets prompts reuse cached prefixes;
     `quant` ("none", "int8", "int4"; default per device and source, see `resolve_quant`) keeps weights compressed;
-    `progress(stage, done, total)` is told as tensors are read and packed.
+    `progress(stage, done, total)` is told as tensors are read and packed; `dense_prefill` keeps a bfloat16 copy
+    of quantized layer weights for calls of many rows (prefill), twice as fast there for 2 bytes per weight more.
     """
     device = torch.device(device)
     name, defaults, template = str(source), {}, None
@@ -215,7 +219,7 @@ def load_runner(source: str | os.PathLike[str], device: str | torch.device = "cp
     if template is not None:
         tokenizer.set_chat_template(template)
     model = _materialise(cfg, state, device, dtype, quant, requantize_floats=path.is_dir(), source=str(path),
-                        progress=progress)
+                        progress=progress, dense_prefill=dense_prefill)
     _rebuild_buffers(model, device, freq_factors)
     context = max_context or cfg.max_position
     _return_freed_memory()

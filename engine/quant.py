@@ -6,6 +6,9 @@ quantized round-to-nearest here.
 """
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +17,7 @@ from torch import nn
 
 GROUP_SIZE = 32          # input elements sharing one int4 scale/offset (ggml's block and sub-block size)
 _INT4_ROW_MULTIPLE = 16  # the int4 CPU kernel packs output rows in tiles of 16
+DENSE_MIN_ROWS = 32      # rows from which a dense bfloat16 matmul beats the packed kernels on CPU
 QUANT_MODES = ("none", "int8", "int4")
 
 
@@ -62,26 +66,77 @@ def int4_supported(shape: tuple[int, ...] | torch.Size) -> bool:
     return len(shape) == 2 and shape[1] % GROUP_SIZE == 0
 
 
-class Int8Linear(nn.Module):
+_split = threading.local()  # per thread: each worker thread runs its own model
+
+
+@contextmanager
+def packed_rows(n: int) -> Iterator[None]:
+    """Within: every PackedLinear with a dense copy runs the first `n` rows of a call (the decode tokens of a batch)
+    through its packed kernel and the rest (prefill tokens) through the dense copy. A token then gets the same
+    numbers whatever shares its batch; outside, the choice goes by the call's size."""
+    previous = getattr(_split, "rows", None)
+    _split.rows = n
+    try:
+        yield
+    finally:
+        _split.rows = previous
+
+
+class PackedLinear(nn.Module):
+    """A linear layer with packed weights; optionally a dense copy of the same (quantized) weights for big calls.
+
+    The packed kernels read few bytes per weight, which is what a decode step of a few rows is bound by; for a
+    prefill chunk a dense bfloat16 matmul is 2-2.5x faster (bench/matmul_formats.py), so a layer given `keep_dense`
+    uses its dequantized copy there: the same weights, two bytes more per weight. See `packed_rows`.
+    """
+
+    out_features: int
+    in_features: int
+    bias: torch.Tensor | None
+    dense: torch.Tensor | None
+
+    def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in] @ w^T with the packed weights."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        m = flat.shape[0]
+        packed = m if self.dense is None else getattr(_split, "rows", None)
+        if packed is None:
+            packed = m if m < DENSE_MIN_ROWS else 0
+        if packed >= m:
+            y = self.packed_matmul(flat)
+        elif packed == 0:
+            y = F.linear(flat, self.dense)
+        else:
+            y = torch.cat((self.packed_matmul(flat[:packed]), F.linear(flat[packed:], self.dense)))
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8Linear(PackedLinear):
     """y = x @ (codes * scale)^T + bias, with per-output-channel int8 weights."""
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                 keep_dense: bool = False) -> None:
         super().__init__()
         self.out_features, self.in_features = codes.shape
         self.register_buffer("weight", codes.contiguous())
         self.register_buffer("scale", scale.to(dtype))
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
+        dense = (codes.float() * self.scale.float().unsqueeze(1)).to(dtype) if keep_dense else None
+        self.register_buffer("dense", dense)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scale)
-        y = y.view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+    def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale)
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(PackedLinear):
     """y = x @ w^T + bias with w held as packed 4-bit codes and a scale and zero per group of GROUP_SIZE inputs."""
 
-    def __init__(self, weight: Affine4Bit, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+    def __init__(self, weight: Affine4Bit, bias: torch.Tensor | None, dtype: torch.dtype,
+                 keep_dense: bool = False) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         pad = -self.out_features % _INT4_ROW_MULTIPLE  # zero rows, sliced off the output
@@ -91,14 +146,16 @@ class Int4Linear(nn.Module):
         self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
         self.register_buffer("scale_and_zero", torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous())
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
+        dense = None
+        if keep_dense:  # from the kernel's own (rounded) scales and zeros, so both paths use the same weights
+            s, z = (self.scale_and_zero[..., i].t().float().unsqueeze(-1) for i in (0, 1))
+            groups = (weight.codes.float() - 8).view(self.out_features, -1, GROUP_SIZE)
+            dense = (groups * s[:self.out_features] + z[:self.out_features]).view(weight.shape).to(dtype)
+        self.register_buffer("dense", dense)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features), self.weight, GROUP_SIZE,
-                                                      self.scale_and_zero)
-        if y.shape[-1] != self.out_features:
-            y = y[:, :self.out_features]
-        y = y.view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+    def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, GROUP_SIZE, self.scale_and_zero)
+        return y[:, :self.out_features] if y.shape[-1] != self.out_features else y
 
 
 class Int8Embedding(nn.Module):
@@ -119,14 +176,21 @@ class Int8Embedding(nn.Module):
         return F.embedding(ids, self.weight).to(self.dtype) * self.scale[ids].unsqueeze(-1)
 
 
+def dense_copy_bytes(model: nn.Module) -> int:
+    """Memory taken by the packed layers' dense copies."""
+    return sum(m.dense.numel() * m.dense.element_size() for m in model.modules()
+               if isinstance(m, PackedLinear) and m.dense is not None)
+
+
 def quantized_linear(weight: torch.Tensor | Affine4Bit, bias: torch.Tensor | None, mode: str,
-                     dtype: torch.dtype) -> nn.Module:
-    """The module replacing an nn.Linear in `mode` ("int8" or "int4").
+                     dtype: torch.dtype, keep_dense: bool = False) -> PackedLinear:
+    """The module replacing an nn.Linear in `mode` ("int8" or "int4"), with a dense copy for big calls if asked.
 
     int4 keeps 4-bit sources exact and quantizes float sources; a GGUF tensor stored with more bits (Q5, Q6_K,
     Q8_0) is passed in dequantized with `mode` "int8" by the loader, so its precision is not thrown away.
     """
     if mode == "int4" and int4_supported(weight.shape):
-        return Int4Linear(weight if isinstance(weight, Affine4Bit) else quantize_4bit(weight), bias, dtype)
+        return Int4Linear(weight if isinstance(weight, Affine4Bit) else quantize_4bit(weight), bias, dtype,
+                          keep_dense)
     dense = weight.dequantize() if isinstance(weight, Affine4Bit) else weight
-    return Int8Linear(*quantize_int8(dense), bias, dtype)
+    return Int8Linear(*quantize_int8(dense), bias, dtype, keep_dense)

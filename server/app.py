@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from engine import load_runner
+from engine.quant import dense_copy_bytes
 
 from . import __version__
 from .errors import install_error_handlers
@@ -46,7 +47,8 @@ def _load(settings: Settings) -> ModelState:
         runner = load_runner(settings.model, device=_worker_device(settings, i), dtype=settings.dtype,
                              quant=settings.quant,
                              max_context=settings.max_context, kv_cache_memory=settings.kv_cache_memory,
-                             prefix_caching=settings.prefix_caching, progress=progress)
+                             prefix_caching=settings.prefix_caching, progress=progress,
+                             dense_prefill=settings.dense_prefill)
         if runner.device.type == "cpu":
             runner.decode_threads = max(1, runner.all_threads - 1)
         blocks = runner.blocks
@@ -61,9 +63,11 @@ def _load(settings: Settings) -> ModelState:
     runner = workers[0].runner
     model_id = settings.served_model_name or runner.name
     digest = hashlib.sha256(f"{__version__}:{model_id}:{runner.dtype}:{runner.quant}:{runner.device}".encode()).hexdigest()[:10]
-    log.info("loaded %s (%s, %s activations, %s weights on %s, %d threads (%s while decoding), context %d) "
+    dense = dense_copy_bytes(runner.model)
+    log.info("loaded %s (%s, %s activations, %s weights%s on %s, %d threads (%s while decoding), context %d) "
              "in %.1fs", model_id, runner.family, str(runner.dtype).removeprefix("torch."),
              runner.quant if runner.quant != "none" else "dense",
+             f" + a bfloat16 copy for prefill ({dense / 2**20:.0f} MiB)" if dense else "",
              runner.device, runner.all_threads, runner.decode_threads or runner.all_threads, runner.context_size,
              time.perf_counter() - started)
     return ModelState(model_id=model_id, runner=runner, pool=pool, fingerprint=f"fp_{digest}",

@@ -56,6 +56,9 @@ class Settings(BaseSettings):
     max_running: PositiveInt = Field(32, description="sequences decoding together in one batch")
     max_batched_tokens: PositiveInt = Field(
         512, description="tokens per forward pass; longer prompts are prefilled in chunks")
+    dense_prefill: bool = Field(
+        True, description="with int4/int8 weights, also keep a bfloat16 copy of the layer weights for prompts: "
+                          "prefill about 1.7x faster for 2 bytes per weight more memory")
     kv_cache_memory: Bytes | None = Field(
         None, description="memory for the paged KV cache, e.g. 1GiB (default: 512MiB on CPU, 90% of free GPU memory)")
     prefix_caching: bool = Field(True, description="reuse the KV cache of prompt prefixes seen before")

@@ -8,6 +8,7 @@ from ..config import ModelConfig
 from ..batch import ForwardBatch
 from ..kv_cache import PagedKVCache
 from ..layers import RMSNorm, rope_cos_sin, rope_inv_freq
+from ..quant import packed_rows
 
 
 class DecoderModel(nn.Module):
@@ -48,8 +49,9 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(batch.ids)
         if self.cfg.embed_scale != 1.0:
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
-        for layer in self.layers:
-            x = layer(x, batch, cache)
+        with packed_rows(batch.decode.size if batch.decode is not None else 0):
+            for layer in self.layers:
+                x = layer(x, batch, cache)
         x = self.norm(x.index_select(0, batch.logit_index))
         logits = self._output_projection(x).float()
         if self.cfg.final_logit_softcap:

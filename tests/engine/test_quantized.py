@@ -1,7 +1,8 @@
 """Weight-only quantization, always checked against the float32 path (never against itself).
 
 - the 4-bit GGUF repack (Q4_0, Q4_1, Q4_K) reproduces gguf's own dequantization;
-- the int8 / int4 modules compute x @ w^T for the weights they hold, and are batch-invariant;
+- the int8 / int4 modules compute x @ w^T for the weights they hold, and are batch-invariant; their dense
+  copies (for prefill) hold the same weights, and a token gets the same numbers whatever shares its batch;
 - a model loaded with int4 from a 4-bit GGUF holds exactly the float32 path's weights in every matmul;
 - the quality guard: on the real models, top-1 agreement with float32 and perplexity on tests/data stay within
   the bounds below, for the default format (int4) and int8.
@@ -20,8 +21,9 @@ from gguf.quants import quantize as gguf_quantize
 from engine import load_runner
 from engine.loader import resolve_quant
 from engine.quality import compare
-from engine.quant import (GROUP_SIZE, Affine4Bit, Int4Linear, Int8Embedding, Int8Linear, quantize_4bit,
-                          quantize_int8, quantized_linear)
+from engine.batch import StepRow
+from engine.quant import (DENSE_MIN_ROWS, GROUP_SIZE, Affine4Bit, Int4Linear, Int8Embedding, Int8Linear,
+                          packed_rows, quantize_4bit, quantize_int8, quantized_linear)
 from engine.registry import KNOWN_MODELS
 from engine.weights.dequant import affine_4bit, dequantize
 from engine.weights.gguf_format import GGUFFile
@@ -118,6 +120,56 @@ def test_quantized_matmuls_are_batch_invariant() -> None:
             assert torch.equal(module(x[:rows]), full[:rows]), (type(module).__name__, rows)
 
 
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_dense_copies_hold_the_packed_weights(mode: str) -> None:
+    """The bfloat16 copy used for prefill is the packed weights dequantized (the kernel's rounded scales)."""
+    torch.manual_seed(0)
+    w = torch.randn(200, 576) * 0.05
+    module = quantized_linear(w, None, mode, torch.bfloat16, keep_dense=True)
+    assert module.dense.dtype == torch.bfloat16 and module.dense.shape == w.shape
+    quantized = quantize_4bit(w).dequantize() if mode == "int4" else \
+        (lambda c, s: c.float() * s[:, None])(*quantize_int8(w))
+    assert float((module.dense.float() - quantized).abs().max()) <= 0.01 * float(quantized.abs().max())
+    x = torch.randn(64, 576).bfloat16()
+    packed, dense = module.packed_matmul(x).float(), torch.nn.functional.linear(x, module.dense).float()
+    assert float((packed - dense).norm() / packed.norm()) < 1e-2
+
+
+def test_packed_rows_send_decode_rows_to_the_kernel_and_prefill_rows_to_the_dense_copy() -> None:
+    """Inside a batch each row's numbers are those of its own path alone, whatever else is in the call."""
+    torch.manual_seed(0)
+    module = quantized_linear(torch.randn(960, 576) * 0.05, None, "int4", torch.bfloat16, keep_dense=True)
+    x = torch.randn(40, 576).bfloat16()
+    alone_decode = torch.cat([module.packed_matmul(x[i:i + 1]) for i in range(3)])
+    alone_prefill = torch.nn.functional.linear(x[3:], module.dense)
+    with packed_rows(3):
+        mixed = module(x)
+    assert torch.equal(mixed[:3], alone_decode) and torch.equal(mixed[3:], alone_prefill)
+    with packed_rows(0):  # a prefill chunk shorter than DENSE_MIN_ROWS still takes the dense copy
+        assert torch.equal(module(x[3:8]), torch.nn.functional.linear(x[3:8], module.dense))
+    # Outside a batch the size decides.
+    assert torch.equal(module(x[:DENSE_MIN_ROWS - 1]), module.packed_matmul(x[:DENSE_MIN_ROWS - 1]))
+    assert torch.equal(module(x[:DENSE_MIN_ROWS]), torch.nn.functional.linear(x[:DENSE_MIN_ROWS], module.dense))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_decode_row_gets_the_same_logits_beside_a_prefill(tiny_zoo, variant) -> None:
+    """Bit-identical: a sequence's decode step alone and in one forward pass with another prompt's prefill."""
+    tiny = tiny_zoo.model(variant)
+    logits = []
+    for with_prefill in (False, True):
+        runner = load_runner(str(tiny.safetensors_dir), quant="int4")
+        a = runner.new_sequence(prompt_ids(tiny, 0, 20))
+        runner.step([StepRow(a, 0, 20)])
+        a.tokens.append(5)
+        rows = [StepRow(a, 20, 21)]
+        if with_prefill:
+            b = runner.new_sequence(prompt_ids(tiny, 1, 40))
+            rows.append(StepRow(b, 0, 40))
+        logits.append(runner.step(rows)[0])
+    assert torch.equal(logits[0], logits[1])
+
+
 def test_int4_falls_back_to_int8_when_groups_do_not_divide_the_input() -> None:
     assert isinstance(quantized_linear(torch.randn(32, 48), None, "int4", torch.bfloat16), Int8Linear)
     assert isinstance(quantized_linear(torch.randn(32, 64), None, "int4", torch.bfloat16), Int4Linear)
@@ -156,8 +208,10 @@ def test_int4_load_of_a_4bit_gguf_holds_the_float32_paths_weights(tiny_zoo, tmp_
     for name, module in packed.named_modules():
         if isinstance(module, Int4Linear):
             eye = torch.eye(module.in_features)
-            bias = 0 if module.bias is None else module.bias
-            torch.testing.assert_close(module(eye) - bias, dense[name].weight.t(), rtol=1e-6, atol=1e-6)
+            want = dense[name].weight
+            torch.testing.assert_close(module.packed_matmul(eye), want.t(), rtol=1e-6, atol=1e-6)
+            if name != "lm_head":  # the layers' dense copies for prefill (the head never gets one)
+                torch.testing.assert_close(module.dense, want, rtol=1e-6, atol=1e-6)
             checked += 1
     assert checked == 4 * len(exact.layers) + 1  # qkv, o, gate_up, down per layer, and the tied/untied head
 

@@ -1,0 +1,61 @@
+"""Weight formats against each other on this CPU: int4 / int8 packed kernels vs a dense bfloat16 matmul, by rows.
+
+    python bench/matmul_formats.py [--threads 2] [--rows 1 4 8 16 32 64 128 512]
+The shapes are SmolLM2-135M's layer matmuls (fused qkv, o, fused gate/up, down). Prints one JSON line per
+(shape, rows) and a table of microseconds per call; where the dense column wins is where engine/quant.py
+routes prefill tokens to a layer's dense copy (DENSE_MIN_ROWS).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from engine.quant import Int4Linear, Int8Linear, quantize_4bit, quantize_int8
+
+SHAPES = {"qkv 576->960": (960, 576), "o 576->576": (576, 576), "gate_up 576->3072": (3072, 576),
+          "down 1536->576": (576, 1536)}
+
+
+def _time_us(fn: Callable[[], torch.Tensor], budget_s: float = 0.3) -> float:
+    fn()
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < budget_s or calls < 3:
+        fn()
+        calls += 1
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128, 512])
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    table = []
+    for name, (out_f, in_f) in SHAPES.items():
+        w = torch.randn(out_f, in_f) * 0.05
+        int4, int8 = Int4Linear(quantize_4bit(w), None, torch.bfloat16), Int8Linear(*quantize_int8(w), None,
+                                                                                   torch.bfloat16)
+        dense = w.bfloat16()
+        for m in args.rows:
+            x = torch.randn(m, in_f).bfloat16()
+            row = {"shape": name, "rows": m, "threads": args.threads,
+                   "int4_us": round(_time_us(lambda: int4.packed_matmul(x)), 1),
+                   "int8_us": round(_time_us(lambda: int8.packed_matmul(x)), 1),
+                   "bf16_us": round(_time_us(lambda: F.linear(x, dense)), 1)}
+            print(json.dumps(row))
+            table.append(row)
+    print(f"\n{'shape':<20}{'rows':>6}{'int4 us':>10}{'int8 us':>10}{'bf16 us':>10}  fastest")
+    for r in table:
+        best = min(("int4", "int8", "bf16"), key=lambda k: r[f"{k}_us"])
+        print(f"{r['shape']:<20}{r['rows']:>6}{r['int4_us']:>10}{r['int8_us']:>10}{r['bf16_us']:>10}  {best}")
+
+
+if __name__ == "__main__":
+    main()
