@@ -130,15 +130,19 @@ class Attention(nn.Module):
         Plain batched matmuls with the query heads of a KV group stacked: torch's fused CPU attention is tuned
         for long queries and is 5-20x slower than this for a single bfloat16 query.
         """
-        b, dtype = q.shape[0], q.dtype
+        b, dtype, d = q.shape[0], q.dtype, self.head_dim
+        rows = b * self.num_kv_heads
         # float32 throughout: more accurate, and torch's small float32 batched matmuls are 2-3x faster on CPU
-        # than its bfloat16 ones, converting included.
-        qg = q.float().reshape(b, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
-        scores = torch.matmul(qg, keys.float().transpose(-1, -2)) * self.cfg.query_scale  # [B, kvh, g, L]
+        # than its bfloat16 ones, converting included. bmm on 3-d views: matmul's broadcasting costs more than
+        # these tiny products.
+        qg = q.float().reshape(rows, self.num_heads // self.num_kv_heads, d)
+        scores = torch.bmm(qg, keys.float().reshape(rows, -1, d).transpose(1, 2))  # [B * kvh, g, L]
+        scores.mul_(self.cfg.query_scale)
         if mask is not None:
-            scores.masked_fill_(~mask, float("-inf"))
+            scores.view(b, self.num_kv_heads, -1, scores.shape[-1]).masked_fill_(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        return torch.matmul(probs, values.float()).view(b, self.num_heads, self.head_dim).to(dtype)
+        out = torch.bmm(probs, values.float().reshape(rows, -1, d))
+        return out.view(b, self.num_heads, d).to(dtype)
 
 
 class GatedMLP(nn.Module):

@@ -99,20 +99,26 @@ class PackedLinear(nn.Module):
         """x [M, in] @ w^T with the packed weights."""
         raise NotImplementedError
 
+    def _hot_path(self) -> None:
+        """Plain attributes for what every call reads: a buffer lookup goes through nn.Module.__getattr__, a few
+        microseconds per layer of a decode step. The modules are built where they run and never moved."""
+        self.__dict__["_dense"], self.__dict__["_bias"] = self.dense, self.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        m = flat.shape[0]
-        packed = m if self.dense is None else getattr(_split, "rows", None)
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        m, dense = flat.shape[0], self._dense
+        packed = m if dense is None else getattr(_split, "rows", None)
         if packed is None:
             packed = m if m < DENSE_MIN_ROWS else 0
         if packed >= m:
             y = self.packed_matmul(flat)
         elif packed == 0:
-            y = F.linear(flat, self.dense)
+            y = F.linear(flat, dense)
         else:
-            y = torch.cat((self.packed_matmul(flat[:packed]), F.linear(flat[packed:], self.dense)))
-        y = y.view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+            y = torch.cat((self.packed_matmul(flat[:packed]), F.linear(flat[packed:], dense)))
+        if flat is not x:
+            y = y.view(*x.shape[:-1], self.out_features)
+        return y if self._bias is None else y + self._bias
 
 
 class Int8Linear(PackedLinear):
@@ -127,9 +133,11 @@ class Int8Linear(PackedLinear):
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
         dense = (codes.float() * self.scale.float().unsqueeze(1)).to(dtype) if keep_dense else None
         self.register_buffer("dense", dense)
+        self._hot_path()
+        self.__dict__["_kernel"] = (self.weight, self.scale)
 
     def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale)
+        return torch.ops.aten._weight_int8pack_mm(x, *self._kernel)
 
 
 class Int4Linear(PackedLinear):
@@ -152,10 +160,14 @@ class Int4Linear(PackedLinear):
             groups = (weight.codes.float() - 8).view(self.out_features, -1, GROUP_SIZE)
             dense = (groups * s[:self.out_features] + z[:self.out_features]).view(weight.shape).to(dtype)
         self.register_buffer("dense", dense)
+        self._hot_path()
+        self.__dict__["_kernel"] = (self.weight, self.scale_and_zero)
+        self.__dict__["_padded"] = pad != 0
 
     def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, GROUP_SIZE, self.scale_and_zero)
-        return y[:, :self.out_features] if y.shape[-1] != self.out_features else y
+        weight, scale_and_zero = self._kernel
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, GROUP_SIZE, scale_and_zero)
+        return y[:, :self.out_features] if self._padded else y
 
 
 class Int8Embedding(nn.Module):
