@@ -10,6 +10,8 @@
 # benchmark-only dependency, not the project's. Both servers get a 4096-token context (llama.cpp's --n_ctx, our
 # --max-context), so their KV caches hold the same number of tokens. llama.cpp ignores ignore_eos, so the end
 # tokens are banned with logit_bias instead: both servers then generate exactly max_tokens.
+# ALTERNATE=N: instead, start both servers (llama.cpp and emberserve's default) and run only the one-stream
+# scenario (256 output tokens, 3 requests) N times each, alternating, so that the VM's drift hits both alike.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${1:-smollm2-135m}
@@ -40,10 +42,27 @@ bench() {  # label base-url extra-body
     --concurrency 1 --prompt-tokens 16 --max-tokens 256 --requests 3 --no-prefix
 }
 
+one_stream() {  # label base-url extra-body round
+  $PY bench/serve.py --base-url "$2" --label "$1" --extra-body "$3" --json-out "bench/out/$1-decode256-$4.json" \
+    --concurrency 1 --prompt-tokens 16 --max-tokens 256 --requests 3 --no-prefix
+}
+
 .venv-llamacpp/bin/python -m llama_cpp.server --model "$GGUF" --n_threads 2 --n_ctx 4096 --interrupt_requests False \
   --port 8001 --model_alias "$MODEL" >bench/out/llama.log 2>&1 &
 LLAMA=$!
 wait_ready http://127.0.0.1:8001/v1/models
+if [ -n "${ALTERNATE:-}" ]; then
+  $PY -m server serve --model "$MODEL" --port 8002 --max-context 4096 --log-level warning \
+    >"bench/out/emberserve-$MODEL-default.log" 2>&1 &
+  EMBER=$!
+  wait_ready http://127.0.0.1:8002/health
+  for round in $(seq "$ALTERNATE"); do
+    one_stream "llama.cpp-$MODEL" http://127.0.0.1:8001 "{\"repeat_penalty\": 1.0, \"logit_bias\": $EOS}" "$round"
+    one_stream "emberserve-$MODEL-default" http://127.0.0.1:8002 '{}' "$round"
+  done
+  kill $LLAMA $EMBER; wait 2>/dev/null || true
+  exit 0
+fi
 bench "llama.cpp-$MODEL" http://127.0.0.1:8001 "{\"repeat_penalty\": 1.0, \"logit_bias\": $EOS}"
 rss "llama.cpp-$MODEL" $LLAMA
 kill $LLAMA; wait $LLAMA 2>/dev/null || true

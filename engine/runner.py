@@ -76,10 +76,11 @@ class Runner:
 
         A server leaves a core to its event loop this way: a decode step is hundreds of tiny ops, each a parallel
         region that stalls whenever the event loop or a client holds a core, and they gain little from a second
-        thread. The output projection, one big matmul, keeps every thread (measured: other matmuls lose).
+        thread. The output projection, one big matmul, keeps every thread, and so do the layer matmuls of batched
+        decoding (4+ rows); for one row they lose (measured).
         """
         self._decode_threads = threads
-        self.model.head_threads = None if threads is None else self.all_threads
+        self.model.wide_threads = None if threads is None else self.all_threads
 
     @property
     def family(self) -> str:

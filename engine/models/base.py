@@ -24,9 +24,10 @@ class DecoderModel(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
         local = rope_inv_freq(cfg.local_rope, cfg.head_dim) if cfg.local_rope else None
         self.register_buffer("local_inv_freq", local, persistent=False)
-        # Intra-op threads for the output projection alone (None: as the rest). One big matmul per step gains
-        # from every core even when the small ops around it run on fewer (see Runner.decode_threads).
-        self.head_threads: int | None = None
+        # Intra-op threads for the output projection and the packed matmuls of batched decoding (None: as the
+        # rest). Big matmuls gain from every core even when the small ops around them run on fewer (see
+        # Runner.decode_threads and quant.PARALLEL_MATMUL_ROWS).
+        self.wide_threads: int | None = None
 
     def add_rope(self, batch: ForwardBatch, dtype: torch.dtype) -> None:
         """cos/sin of the batch's positions for each rope kind its layers use."""
@@ -35,10 +36,10 @@ class DecoderModel(nn.Module):
             batch.rope["local"] = rope_cos_sin(self.local_inv_freq, batch.positions, dtype)
 
     def _output_projection(self, x: torch.Tensor) -> torch.Tensor:
-        if self.head_threads is None:
+        if self.wide_threads is None:
             return self.lm_head(x)
         body = torch.get_num_threads()
-        torch.set_num_threads(self.head_threads)
+        torch.set_num_threads(self.wide_threads)
         try:
             return self.lm_head(x)
         finally:
@@ -49,7 +50,7 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(batch.ids)
         if self.cfg.embed_scale != 1.0:
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
-        with packed_rows(batch.decode.size if batch.decode is not None else 0):
+        with packed_rows(batch.decode.size if batch.decode is not None else 0, self.wide_threads):
             for layer in self.layers:
                 x = layer(x, batch, cache)
         x = self.norm(x.index_select(0, batch.logit_index))
