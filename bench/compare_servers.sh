@@ -10,8 +10,9 @@
 # benchmark-only dependency, not the project's. Both servers get a 4096-token context (llama.cpp's --n_ctx, our
 # --max-context), so their KV caches hold the same number of tokens. llama.cpp ignores ignore_eos, so the end
 # tokens are banned with logit_bias instead: both servers then generate exactly max_tokens.
-# ALTERNATE=N: instead, start both servers (llama.cpp and emberserve's default) and run only the one-stream
-# scenario (256 output tokens, 3 requests) N times each, alternating, so that the VM's drift hits both alike.
+# ALTERNATE=N: instead, start both servers (llama.cpp and emberserve's default) and run one scenario N times each,
+# alternating, so that the VM's drift hits both alike: by default the one-stream scenario (256 output tokens, 3
+# requests); ALTERNATE_ARGS="--concurrency 8 --max-tokens 64" (bench/serve.py arguments) picks another.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${1:-smollm2-135m}
@@ -42,9 +43,10 @@ bench() {  # label base-url extra-body
     --concurrency 1 --prompt-tokens 16 --max-tokens 256 --requests 3 --no-prefix
 }
 
-one_stream() {  # label base-url extra-body round
-  $PY bench/serve.py --base-url "$2" --label "$1" --extra-body "$3" --json-out "bench/out/$1-decode256-$4.json" \
-    --concurrency 1 --prompt-tokens 16 --max-tokens 256 --requests 3 --no-prefix
+read -r -a ALT_ARGS <<< "${ALTERNATE_ARGS:---concurrency 1 --max-tokens 256 --requests 3}"
+alternate_run() {  # label base-url extra-body round
+  $PY bench/serve.py --base-url "$2" --label "$1" --extra-body "$3" --json-out "bench/out/$1-alternate-$4.json" \
+    --prompt-tokens 16 --no-prefix "${ALT_ARGS[@]}"
 }
 
 .venv-llamacpp/bin/python -m llama_cpp.server --model "$GGUF" --n_threads 2 --n_ctx 4096 --interrupt_requests False \
@@ -57,8 +59,8 @@ if [ -n "${ALTERNATE:-}" ]; then
   EMBER=$!
   wait_ready http://127.0.0.1:8002/health
   for round in $(seq "$ALTERNATE"); do
-    one_stream "llama.cpp-$MODEL" http://127.0.0.1:8001 "{\"repeat_penalty\": 1.0, \"logit_bias\": $EOS}" "$round"
-    one_stream "emberserve-$MODEL-default" http://127.0.0.1:8002 '{}' "$round"
+    alternate_run "llama.cpp-$MODEL" http://127.0.0.1:8001 "{\"repeat_penalty\": 1.0, \"logit_bias\": $EOS}" "$round"
+    alternate_run "emberserve-$MODEL-default" http://127.0.0.1:8002 '{}' "$round"
   done
   kill $LLAMA $EMBER; wait 2>/dev/null || true
   exit 0

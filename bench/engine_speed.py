@@ -38,13 +38,13 @@ def copy_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
 
 def weight_bytes_per_token(model) -> int:
     """Bytes of weights one decode step reads: every matrix and scale once, the embedding table only if the
-    output projection reads it too (a lookup touches one row)."""
+    output projection reads it too (a lookup touches one row), not the packed layers' dense copies (prefill only)."""
     seen, total = set(), 0
     embedding = {t.untyped_storage().data_ptr() for t in model.embed_tokens.state_dict().values()}
     head = {t.untyped_storage().data_ptr() for t in model.lm_head.state_dict().values()}
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         ptr = t.untyped_storage().data_ptr()
-        if ptr in seen or (ptr in embedding and ptr not in head):
+        if ptr in seen or (ptr in embedding and ptr not in head) or name.endswith(".dense"):
             continue
         seen.add(ptr)
         total += t.untyped_storage().nbytes()
