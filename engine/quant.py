@@ -74,6 +74,20 @@ _split = threading.local()  # per thread: each worker thread runs its own model
 
 
 @contextmanager
+def intra_op_threads(threads: int | None) -> Iterator[None]:
+    """Within: torch's intra-op thread count is `threads` (None: unchanged)."""
+    body = torch.get_num_threads()
+    if threads is None or threads == body:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(body)
+
+
+@contextmanager
 def packed_rows(n: int, wide_threads: int | None = None) -> Iterator[None]:
     """Within: every PackedLinear with a dense copy runs the first `n` rows of a call (the decode tokens of a batch)
     through its packed kernel and the rest (prefill tokens) through the dense copy. A token then gets the same
@@ -106,14 +120,10 @@ class PackedLinear(nn.Module):
 
     def _packed_matmul_threaded(self, x: torch.Tensor) -> torch.Tensor:
         threads = getattr(_split, "threads", None)
-        body = torch.get_num_threads()
-        if threads is None or x.shape[0] < PARALLEL_MATMUL_ROWS or threads == body:
+        if threads is None or x.shape[0] < PARALLEL_MATMUL_ROWS:
             return self.packed_matmul(x)
-        torch.set_num_threads(threads)
-        try:
+        with intra_op_threads(threads):
             return self.packed_matmul(x)
-        finally:
-            torch.set_num_threads(body)
 
     def _hot_path(self) -> None:
         """Plain attributes for what every call reads: a buffer lookup goes through nn.Module.__getattr__, a few

@@ -8,7 +8,7 @@ from ..config import ModelConfig
 from ..batch import ForwardBatch
 from ..kv_cache import PagedKVCache
 from ..layers import RMSNorm, rope_cos_sin, rope_inv_freq
-from ..quant import packed_rows
+from ..quant import intra_op_threads, packed_rows
 
 
 class DecoderModel(nn.Module):
@@ -36,14 +36,8 @@ class DecoderModel(nn.Module):
             batch.rope["local"] = rope_cos_sin(self.local_inv_freq, batch.positions, dtype)
 
     def _output_projection(self, x: torch.Tensor) -> torch.Tensor:
-        if self.wide_threads is None:
+        with intra_op_threads(self.wide_threads):
             return self.lm_head(x)
-        body = torch.get_num_threads()
-        torch.set_num_threads(self.wide_threads)
-        try:
-            return self.lm_head(x)
-        finally:
-            torch.set_num_threads(body)
 
     def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
         """Float32 logits [R, vocab] at the batch's `logit_index` positions."""
