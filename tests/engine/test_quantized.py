@@ -23,7 +23,7 @@ from engine.loader import resolve_quant
 from engine.quality import compare
 from engine.batch import StepRow
 from engine.quant import (DENSE_MIN_ROWS, GROUP_SIZE, Affine4Bit, Int4Linear, Int8Embedding, Int8Linear,
-                          packed_rows, quantize_4bit, quantize_int8, quantized_linear)
+                          dense_matmul, packed_rows, quantize_4bit, quantize_int8, quantized_linear)
 from engine.registry import KNOWN_MODELS
 from engine.weights.dequant import affine_4bit, dequantize
 from engine.weights.gguf_format import GGUFFile
@@ -141,15 +141,23 @@ def test_packed_rows_send_decode_rows_to_the_kernel_and_prefill_rows_to_the_dens
     module = quantized_linear(torch.randn(960, 576) * 0.05, None, "int4", torch.bfloat16, keep_dense=True)
     x = torch.randn(40, 576).bfloat16()
     alone_decode = torch.cat([module.packed_matmul(x[i:i + 1]) for i in range(3)])
-    alone_prefill = torch.nn.functional.linear(x[3:], module.dense)
+    alone_prefill = dense_matmul(x[3:], module.dense)
     with packed_rows(3):
         mixed = module(x)
     assert torch.equal(mixed[:3], alone_decode) and torch.equal(mixed[3:], alone_prefill)
     with packed_rows(0):  # a prefill chunk shorter than DENSE_MIN_ROWS still takes the dense copy
-        assert torch.equal(module(x[3:8]), torch.nn.functional.linear(x[3:8], module.dense))
+        assert torch.equal(module(x[3:8]), dense_matmul(x[3:8], module.dense))
     # Outside a batch the size decides.
     assert torch.equal(module(x[:DENSE_MIN_ROWS - 1]), module.packed_matmul(x[:DENSE_MIN_ROWS - 1]))
-    assert torch.equal(module(x[:DENSE_MIN_ROWS]), torch.nn.functional.linear(x[:DENSE_MIN_ROWS], module.dense))
+    assert torch.equal(module(x[:DENSE_MIN_ROWS]), dense_matmul(x[:DENSE_MIN_ROWS], module.dense))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])
+def test_dense_matmul_pads_rows_to_a_bucket_without_changing_them(rows: int) -> None:
+    torch.manual_seed(0)
+    w, x = torch.randn(96, 64), torch.randn(rows, 64)
+    torch.testing.assert_close(dense_matmul(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)  # float32: exact up to order
+    assert dense_matmul(x, w).shape == (rows, 96)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
