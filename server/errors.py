@@ -68,10 +68,10 @@ def _validation_message(err: dict[str, Any]) -> str:
     return f"{param}: {msg}" if param else msg
 
 
-def _answer(request: Request, error: APIError) -> JSONResponse:
+def answer(app: FastAPI, error: APIError) -> JSONResponse:
     """The error's response, counted in the app's metrics by its type."""
     if error.status != 499:  # the client went away: nobody reads this, and its sequences count as aborted
-        request.app.state.metrics.fail(error.type)
+        app.state.metrics.fail(error.type)
     return error.response()
 
 
@@ -80,13 +80,13 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return _answer(request, exc)
+        return answer(request.app, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         message = "; ".join(_validation_message(e) for e in errors[:5]) or "invalid request"
-        return _answer(request, invalid(message, param=_error_param(errors)))
+        return answer(request.app, invalid(message, param=_error_param(errors)))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -95,9 +95,9 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"{request.method} {request.url.path}: {what}"
         else:
             message = str(exc.detail)
-        return _answer(request, APIError(exc.status_code, message, headers=getattr(exc, "headers", None)))
+        return answer(request.app, APIError(exc.status_code, message, headers=getattr(exc, "headers", None)))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return _answer(request, APIError(500, "internal server error", type="server_error"))
+        return answer(request.app, APIError(500, "internal server error", type="server_error"))

@@ -17,7 +17,7 @@ from typing import Any
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import APIError
+from .errors import APIError, answer
 
 access_log = logging.getLogger("emberserve.access")
 REQUEST_ID_HEADER = "x-request-id"
@@ -69,10 +69,7 @@ def request_id_from(headers: Headers) -> str:
 
 async def send_error(scope: Scope, receive: Receive, send: Send, error: APIError) -> None:
     """Answer `error` from a middleware, counted like the app's own error responses."""
-    app = scope.get("app")
-    if app is not None and error.status != 499:
-        app.state.metrics.fail(error.type)
-    await error.response()(scope, receive, send)
+    await answer(scope["app"], error)(scope, receive, send)
 
 
 class RequestContext:
@@ -112,6 +109,8 @@ class RequestContext:
         finally:
             if not probe:
                 state.in_flight -= 1
-            access_log.log(logging.DEBUG if probe else logging.INFO, "%s %s %s", record.method, record.path,
-                           record.status, extra={"request": record.fields()})
+            level = logging.DEBUG if probe else logging.INFO
+            if access_log.isEnabledFor(level):  # the record's fields are built only for a line that is written
+                access_log.log(level, "%s %s %s", record.method, record.path, record.status,
+                               extra={"request": record.fields()})
             _current.reset(token)
