@@ -21,13 +21,11 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, app: FastAPI, grace: float) -> None:
         super().__init__(config)
         self.app, self.grace = app, grace
-        self.draining = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if sig == signal.SIGTERM and not self.draining and not self.should_exit:
+        if sig == signal.SIGTERM and not self.app.state.draining and not self.should_exit:
             # Not passed to uvicorn: it would re-raise the signal after shutting down, and the exit status
             # would be 143 instead of a clean 0.
-            self.draining = True
             self.app.state.draining = True
             threading.Thread(target=self._drain, name="drain", daemon=True).start()
             return
