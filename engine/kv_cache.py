@@ -13,6 +13,20 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
+def gather_blocks(store: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The slots of whole `blocks` [n] or [B, n] of one layer's `store` [kv_heads, slots, head_dim], as contiguous
+    [kv_heads, n * block_size, head_dim] or [B, kv_heads, n * block_size, head_dim]; slots past a sequence's length
+    are for the caller to mask."""
+    heads, dim = store.shape[0], store.shape[2]
+    picked = store.view(heads, -1, block_size * dim).index_select(1, blocks.reshape(-1))
+    if blocks.dim() == 1:
+        return picked.view(heads, -1, dim)
+    b, n = blocks.shape[0], blocks.shape[1]
+    if b == 1:
+        return picked.view(1, heads, n * block_size, dim)
+    return picked.view(heads, b, n * block_size, dim).transpose(0, 1).contiguous()
+
+
 class PagedKVCache:
     """Keys and values as [kv_heads, num_blocks * block_size, head_dim] per layer.
 
@@ -34,19 +48,9 @@ class PagedKVCache:
         self.values[layer].index_copy_(1, slots, v.transpose(0, 1))
 
     def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of whole `blocks` [n] or [B, n] as contiguous [kv_heads, n * block_size, head_dim] or
-        [B, kv_heads, n * block_size, head_dim]; slots past a sequence's length are for the caller to mask."""
-        heads, _, dim = self.keys[layer].shape
-        view = (heads, self.num_blocks, self.block_size * dim)
-        k = self.keys[layer].view(view).index_select(1, blocks.reshape(-1))
-        v = self.values[layer].view(view).index_select(1, blocks.reshape(-1))
-        if blocks.dim() == 1:
-            return k.view(heads, -1, dim), v.view(heads, -1, dim)
-        b, n = blocks.shape
-        if b == 1:
-            return k.view(1, heads, n * self.block_size, dim), v.view(1, heads, n * self.block_size, dim)
-        return (k.view(heads, b, n * self.block_size, dim).transpose(0, 1).contiguous(),
-                v.view(heads, b, n * self.block_size, dim).transpose(0, 1).contiguous())
+        """Keys and values of whole `blocks` [n] or [B, n]: see `gather_blocks`."""
+        return (gather_blocks(self.keys[layer], blocks, self.block_size),
+                gather_blocks(self.values[layer], blocks, self.block_size))
 
     def span(self, layer: int, first: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of slots [first, first + length) as [1, kv_heads, length, head_dim] views (no copy)."""

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,6 +13,25 @@ from .batch import ForwardBatch
 from .kv_cache import PagedKVCache
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, doubled: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS norm of x [..., d] times `weight`, computed in float32; `doubled` is [weight, 0] in float32 (bf16 CPU path).
+
+    bfloat16 on CPU: the RMS norm of x is the layer norm of [x, -x] (mean 0, variance mean(x^2)), and torch's fused
+    CPU layer_norm (float32 inside, mixed-type weight) takes half the time of its rms_norm with the float32 round
+    trip: the norms of a decode step went from 15 to 7 us each.
+    """
+    d = x.shape[-1]
+    if x.dtype == torch.float32 or not x.is_cpu:
+        return torch.rms_norm(x.float(), [d], weight.float(), eps).to(x.dtype)
+    y = F.layer_norm(torch.cat((x, x.neg()), dim=-1), [2 * d], doubled, None, eps)
+    return y[..., :d].contiguous()
+
+
+def doubled_norm_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[weight, 0] in float32: the layer-norm weight of `rms_norm`'s bfloat16 CPU path."""
+    return torch.cat((weight.float(), torch.zeros_like(weight.float())))
+
+
 class RMSNorm(nn.Module):
     """RMS normalisation computed in float32; the weight is the final multiplier (gemma's 1 + w folded in at load)."""
 
@@ -18,19 +39,15 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
-        self._doubled: tuple[torch.Tensor, torch.Tensor] | None = None  # (weight, [weight, 0]) for the CPU path
+        self._doubled: tuple[torch.Tensor, torch.Tensor] | None = None  # (weight, its doubled_norm_weight)
+
+    def doubled(self) -> torch.Tensor:
+        if self._doubled is None or self._doubled[0] is not self.weight:
+            self._doubled = (self.weight, doubled_norm_weight(self.weight))
+        return self._doubled[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 or not x.is_cpu:
-            return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
-        # bfloat16 on CPU: the RMS norm of x is the layer norm of [x, -x] (mean 0, variance mean(x^2)), and torch's
-        # fused CPU layer_norm (float32 inside, mixed-type weight) takes half the time of its rms_norm with the
-        # float32 round trip: the norms of a decode step went from 15 to 7 us each.
-        d = x.shape[-1]
-        if self._doubled is None or self._doubled[0] is not self.weight:
-            self._doubled = (self.weight, torch.cat((self.weight.float(), torch.zeros_like(self.weight.float()))))
-        y = F.layer_norm(torch.cat((x, x.neg()), dim=-1), (2 * d,), self._doubled[1], None, self.eps)
-        return y[..., :d].contiguous()
+        return rms_norm(x, self.weight, self.doubled(), self.eps)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
@@ -65,6 +82,34 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.d
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [N, H, D] by cos / signed sin [N, 1, D]: x * cos + rotate_half(x) * sin in three ops."""
     return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), signed_sin)
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor],
+                     num_kv_heads: int, scale: float) -> torch.Tensor:
+    """One query per row: q [B, H, D], keys/values [B, kv_heads, L, D], mask [B, 1, 1, L] → [B, H, D].
+
+    Plain batched matmuls with the query heads of a KV group stacked: torch's fused CPU attention is tuned for long
+    queries and is 5-20x slower than this for a single bfloat16 query.
+    """
+    b, h, d = q.shape[0], q.shape[1], q.shape[2]
+    rows = b * num_kv_heads
+    # float32 throughout: more accurate, and torch's small float32 batched matmuls are 2-3x faster on CPU than its
+    # bfloat16 ones, converting included. bmm on 3-d views: matmul's broadcasting costs more than these tiny products.
+    qg = q.float().reshape(rows, h // num_kv_heads, d)
+    scores = torch.bmm(qg, keys.float().reshape(rows, -1, d).transpose(1, 2))  # [B * kvh, g, L]
+    scores.mul_(scale)
+    if mask is not None:
+        scores.view(b, num_kv_heads, -1, scores.shape[-1]).masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.bmm(probs, values.float().reshape(rows, -1, d))
+    return out.view(b, h, d).to(q.dtype)
+
+
+def gated_activation(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
+    """act(gate) * up of the concatenated [gate, up] projection: SwiGLU, or GeGLU with tanh GELU."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
+    return gate * up
 
 
 class Attention(nn.Module):
@@ -104,7 +149,7 @@ class Attention(nn.Module):
             else:
                 keys, values = cache.gather(self.layer, group.key_blocks)  # [Bd, kv_heads, L, D]
                 mask = group.sliding_mask if self.sliding else group.full_mask
-            o = self._decode_attention(q[:group.size], keys, values, mask)
+            o = decode_attention(q[:group.size], keys, values, mask, self.num_kv_heads, self.cfg.query_scale)
             if group.size == n:  # a pure decode step, the common case
                 return self.o_proj(o.reshape(n, -1))
             out = torch.empty_like(q)
@@ -123,27 +168,6 @@ class Attention(nn.Module):
             out[row.begin:row.end] = o[0].transpose(0, 1)
         return self.o_proj(out.view(n, -1))
 
-    def _decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                          mask: torch.Tensor | None) -> torch.Tensor:
-        """One query per row: q [B, H, D], keys/values [B, kv_heads, L, D], mask [B, 1, 1, L] → [B, H, D].
-
-        Plain batched matmuls with the query heads of a KV group stacked: torch's fused CPU attention is tuned
-        for long queries and is 5-20x slower than this for a single bfloat16 query.
-        """
-        b, dtype, d = q.shape[0], q.dtype, self.head_dim
-        rows = b * self.num_kv_heads
-        # float32 throughout: more accurate, and torch's small float32 batched matmuls are 2-3x faster on CPU
-        # than its bfloat16 ones, converting included. bmm on 3-d views: matmul's broadcasting costs more than
-        # these tiny products.
-        qg = q.float().reshape(rows, self.num_heads // self.num_kv_heads, d)
-        scores = torch.bmm(qg, keys.float().reshape(rows, -1, d).transpose(1, 2))  # [B * kvh, g, L]
-        scores.mul_(self.cfg.query_scale)
-        if mask is not None:
-            scores.view(b, self.num_kv_heads, -1, scores.shape[-1]).masked_fill_(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.bmm(probs, values.float().reshape(rows, -1, d))
-        return out.view(b, self.num_heads, d).to(dtype)
-
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)): SwiGLU for llama/qwen, GeGLU (tanh GELU) for gemma."""
@@ -156,6 +180,4 @@ class GatedMLP(nn.Module):
         self.gelu = cfg.hidden_act == "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(gate * up)
+        return self.down_proj(gated_activation(self.gate_up_proj(x), self.gelu))

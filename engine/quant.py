@@ -112,6 +112,13 @@ def dense_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x if pad == 0 else F.pad(x, (0, 0, 0, pad)), w)[:m]
 
 
+def int4_matmul(x: torch.Tensor, weight: torch.Tensor, scale_and_zero: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [M, in] @ w^T for int4-packed `weight`, its output rows padded to a multiple of 16 sliced off.
+    `scale_and_zero` is [in // group, out, 2], so the group size is implied."""
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, x.shape[1] // scale_and_zero.shape[0], scale_and_zero)
+    return y[:, :out_features] if y.shape[1] != out_features else y
+
+
 class PackedLinear(nn.Module):
     """A linear layer with packed weights; optionally a dense copy of the same (quantized) weights for big calls.
 
@@ -199,12 +206,9 @@ class Int4Linear(PackedLinear):
         self.register_buffer("dense", dense)
         self._hot_path()
         self.__dict__["_kernel"] = (self.weight, self.scale_and_zero)
-        self.__dict__["_padded"] = pad != 0
 
     def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        weight, scale_and_zero = self._kernel
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, GROUP_SIZE, scale_and_zero)
-        return y[:, :self.out_features] if self._padded else y
+        return int4_matmul(x, *self._kernel, self.out_features)
 
 
 class Int8Embedding(nn.Module):

@@ -9,6 +9,13 @@ from ..batch import ForwardBatch
 from ..kv_cache import PagedKVCache
 from ..layers import RMSNorm, rope_cos_sin, rope_inv_freq
 from ..quant import intra_op_threads, packed_rows
+from ..scripted_decode import script_decoder
+
+
+# Decode steps of up to this many rows run scripted, on one thread in a server; bigger ones stay eager, where the
+# packed matmuls get every thread (over HTTP, 8 streams: 335 -> 366 tokens/s scripted; 16 streams: 443 eager,
+# 424 scripted).
+SCRIPTED_MAX_ROWS = 12
 
 
 class DecoderModel(nn.Module):
@@ -24,10 +31,14 @@ class DecoderModel(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
         local = rope_inv_freq(cfg.local_rope, cfg.head_dim) if cfg.local_rope else None
         self.register_buffer("local_inv_freq", local, persistent=False)
-        # Intra-op threads for the output projection and the packed matmuls of batched decoding (None: as the
-        # rest). Big matmuls gain from every core even when the small ops around them run on fewer (see
-        # Runner.decode_threads and quant.PARALLEL_MATMUL_ROWS).
+        # Intra-op threads for the output projection and, in eager steps, the packed matmuls of batched decoding
+        # (None: as the rest). Big matmuls gain from every core even when the small ops around them run on fewer
+        # (see Runner.decode_threads and quant.PARALLEL_MATMUL_ROWS).
         self.wide_threads: int | None = None
+        # Pure decode steps on CPU run the layers as one TorchScript call (engine/scripted_decode.py), built on the
+        # first such step; False keeps every step on the eager modules.
+        self.script_decode = True
+        self.__dict__["_scripted"] = None  # not a submodule: it shares the layers' tensors
 
     def add_rope(self, batch: ForwardBatch, dtype: torch.dtype) -> None:
         """cos/sin of the batch's positions for each rope kind its layers use."""
@@ -39,14 +50,44 @@ class DecoderModel(nn.Module):
         with intra_op_threads(self.wide_threads):
             return self.lm_head(x)
 
+    def _scripted_layers(self) -> torch.jit.ScriptModule | None:
+        """The scripted decode layers, built on first use (None: off, or this model has no scripted form)."""
+        if not self.script_decode:
+            return None
+        if self._scripted is None:
+            self.__dict__["_scripted"] = script_decoder(self.layers) or False
+        return self._scripted or None
+
+    def _scripted_step(self, scripted: torch.jit.ScriptModule, x: torch.Tensor, batch: ForwardBatch,
+                       cache: PagedKVCache) -> torch.Tensor:
+        # On the step's own threads (Runner.decode_threads in a server): with the GIL released the event loop runs
+        # beside the step, and a second intra-op thread would fight it for the other core at every parallel region
+        # (8 streams over HTTP: 28-35 ms a step with 2 threads, 22 ms with 1).
+        group = batch.decode
+        first, length = group.key_span if group.key_span is not None else (0, 0)
+        cos, sin = batch.rope["global"]
+        local_cos, local_sin = batch.rope.get("local", (cos, sin))
+        # Unoptimized execution: the same speed here, without the profiling executor's re-optimizing runs (0.6-0.9 s
+        # each) on the first calls.
+        with torch.jit.optimized_execution(False):
+            return scripted(x, cos, sin, local_cos, local_sin, batch.slots, cache.keys, cache.values, first, length,
+                            group.key_blocks, group.full_mask, group.sliding_mask, cache.block_size)
+
     def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
         """Float32 logits [R, vocab] at the batch's `logit_index` positions."""
         x = self.embed_tokens(batch.ids)
         if self.cfg.embed_scale != 1.0:
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
-        with packed_rows(batch.decode.size if batch.decode is not None else 0, self.wide_threads):
-            for layer in self.layers:
-                x = layer(x, batch, cache)
+        decode = batch.decode
+        scripted = None
+        if decode is not None and not batch.prefills and decode.size <= SCRIPTED_MAX_ROWS and x.is_cpu:
+            scripted = self._scripted_layers()
+        if scripted is not None:
+            x = self._scripted_step(scripted, x, batch, cache)
+        else:
+            with packed_rows(decode.size if decode is not None else 0, self.wide_threads):
+                for layer in self.layers:
+                    x = layer(x, batch, cache)
         x = self.norm(x.index_select(0, batch.logit_index))
         logits = self._output_projection(x).float()
         if self.cfg.final_logit_softcap:
