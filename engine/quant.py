@@ -70,39 +70,20 @@ def int4_supported(shape: tuple[int, ...] | torch.Size) -> bool:
     return len(shape) == 2 and shape[1] % GROUP_SIZE == 0
 
 
-# Packed matmuls of this many rows (batched decoding) run on the `wide_threads` of `packed_rows`: from 4 rows on
-# the kernel's work outweighs the cost of a second thread that a busy event loop may delay (16 concurrent streams
-# over HTTP: 377-399 -> 431-458 tokens/s; for 1-3 rows one thread is faster).
-PARALLEL_MATMUL_ROWS = 4
 _split = threading.local()  # per thread: each worker thread runs its own model
 
 
 @contextmanager
-def intra_op_threads(threads: int | None) -> Iterator[None]:
-    """Within: torch's intra-op thread count is `threads` (None: unchanged)."""
-    body = torch.get_num_threads()
-    if threads is None or threads == body:
-        yield
-        return
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(body)
-
-
-@contextmanager
-def packed_rows(n: int, wide_threads: int | None = None) -> Iterator[None]:
+def packed_rows(n: int) -> Iterator[None]:
     """Within: every PackedLinear with a dense copy runs the first `n` rows of a call (the decode tokens of a batch)
     through its packed kernel and the rest (prefill tokens) through the dense copy. A token then gets the same
-    numbers whatever shares its batch; outside, the choice goes by the call's size. `wide_threads`: intra-op
-    threads for packed matmuls of PARALLEL_MATMUL_ROWS rows or more (None: as set)."""
-    previous = getattr(_split, "rows", None), getattr(_split, "threads", None)
-    _split.rows, _split.threads = n, wide_threads
+    numbers whatever shares its batch; outside, the choice goes by the call's size."""
+    previous = getattr(_split, "rows", None)
+    _split.rows = n
     try:
         yield
     finally:
-        _split.rows, _split.threads = previous
+        _split.rows = previous
 
 
 def dense_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -136,13 +117,6 @@ class PackedLinear(nn.Module):
         """x [M, in] @ w^T with the packed weights."""
         raise NotImplementedError
 
-    def _packed_matmul_threaded(self, x: torch.Tensor) -> torch.Tensor:
-        threads = getattr(_split, "threads", None)
-        if threads is None or x.shape[0] < PARALLEL_MATMUL_ROWS:
-            return self.packed_matmul(x)
-        with intra_op_threads(threads):
-            return self.packed_matmul(x)
-
     def _hot_path(self) -> None:
         """Plain attributes for what every call reads: a buffer lookup goes through nn.Module.__getattr__, a few
         microseconds per layer of a decode step. The modules are built where they run and never moved."""
@@ -155,11 +129,11 @@ class PackedLinear(nn.Module):
         if packed is None:
             packed = m if m < DENSE_MIN_ROWS else 0
         if packed >= m:
-            y = self._packed_matmul_threaded(flat)
+            y = self.packed_matmul(flat)
         elif packed == 0:
             y = dense_matmul(flat, dense)
         else:
-            y = torch.cat((self._packed_matmul_threaded(flat[:packed]), dense_matmul(flat[packed:], dense)))
+            y = torch.cat((self.packed_matmul(flat[:packed]), dense_matmul(flat[packed:], dense)))
         if flat is not x:
             y = y.view(*x.shape[:-1], self.out_features)
         return y if self._bias is None else y + self._bias

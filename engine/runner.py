@@ -19,7 +19,6 @@ from .models import DecoderModel
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("emberserve.engine")
-PARALLEL_STEP_TOKENS = 32  # steps with at least this many tokens (prefill chunks, big batches) use every thread
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,25 +61,7 @@ class Runner:
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
         self.cache = PagedKVCache(self.config, num_blocks, block_size, dtype, device)
         self._session: KVSequence | None = None
-        self._decode_threads: int | None = None
-        self.all_threads = torch.get_num_threads()
         self._released: queue.SimpleQueue[KVSequence] = queue.SimpleQueue()  # snapshots collected by the GC
-
-    @property
-    def decode_threads(self) -> int | None:
-        return self._decode_threads
-
-    @decode_threads.setter
-    def decode_threads(self, threads: int | None) -> None:
-        """Intra-op threads for steps of few tokens (decoding); None: torch's setting for every step.
-
-        A server leaves a core to its event loop this way: a decode step is hundreds of tiny ops, each a parallel
-        region that stalls whenever the event loop or a client holds a core, and they gain little from a second
-        thread. The output projection, one big matmul, keeps every thread, and so do the layer matmuls of batched
-        decoding (4+ rows); for one row they lose (measured).
-        """
-        self._decode_threads = threads
-        self.model.wide_threads = None if threads is None else self.all_threads
 
     @property
     def family(self) -> str:
@@ -147,9 +128,6 @@ class Runner:
             self.blocks.allocate(row.seq, row.end)
             self.cache.copy_blocks(self.blocks.prepare_write(row.seq, row.start, row.end))
         batch = build_batch(rows, self.blocks.block_size, self.config.sliding_window, self.device)
-        if self._decode_threads is not None:
-            few = len(batch.ids) < PARALLEL_STEP_TOKENS
-            torch.set_num_threads(self._decode_threads if few else self.all_threads)
         self.model.add_rope(batch, self.dtype)
         logits = self.model(batch, self.cache)
         for row in rows:

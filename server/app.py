@@ -6,10 +6,13 @@ import hashlib
 import logging
 import os
 import signal
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
+import torch
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
@@ -30,6 +33,7 @@ from .settings import Settings
 from .worker import Worker, WorkerPool
 
 log = logging.getLogger("emberserve")
+T = TypeVar("T")
 
 
 def _worker_device(settings: Settings, index: int) -> str:
@@ -49,8 +53,6 @@ def _load(settings: Settings) -> ModelState:
                              max_context=settings.max_context, kv_cache_memory=settings.kv_cache_memory,
                              prefix_caching=settings.prefix_caching, progress=progress,
                              dense_prefill=settings.dense_prefill)
-        if runner.device.type == "cpu":
-            runner.decode_threads = max(1, runner.all_threads - 1)
         blocks = runner.blocks
         log.info("worker %d: %s on %s; KV cache: %d blocks = %d tokens (%.0f MiB %s), prefix caching %s", i,
                  runner.name, runner.device, blocks.num_blocks, blocks.num_blocks * blocks.block_size,
@@ -64,19 +66,47 @@ def _load(settings: Settings) -> ModelState:
     model_id = settings.served_model_name or runner.name
     digest = hashlib.sha256(f"{__version__}:{model_id}:{runner.dtype}:{runner.quant}:{runner.device}".encode()).hexdigest()[:10]
     dense = dense_copy_bytes(runner.model)
-    log.info("loaded %s (%s, %s activations, %s weights%s on %s, %d threads (%s while decoding), context %d) "
+    log.info("loaded %s (%s, %s activations, %s weights%s on %s, %d threads, context %d) "
              "in %.1fs", model_id, runner.family, str(runner.dtype).removeprefix("torch."),
              runner.quant if runner.quant != "none" else "dense",
              f" + a bfloat16 copy for prefill ({dense / 2**20:.0f} MiB)" if dense else "",
-             runner.device, runner.all_threads, runner.decode_threads or runner.all_threads, runner.context_size,
+             runner.device, torch.get_num_threads(), runner.context_size,
              time.perf_counter() - started)
     return ModelState(model_id=model_id, runner=runner, pool=pool, fingerprint=f"fp_{digest}",
                       created=int(time.time()), max_prompt_tokens=settings.max_prompt_tokens)
 
 
+async def _in_own_thread(fn: Callable[[], T]) -> T:
+    """fn() on a new thread that ends with it.
+
+    Loading runs torch's parallel ops, and each thread that does gets its own OpenMP team, kept while the thread
+    lives. With more OpenMP threads alive than cores, libgomp stops spinning at its barriers and sleeps instead, so
+    every parallel region of the workers then waits on a futex wake-up: one stream decoded at 17 ms/token instead of
+    6 with the loader in an executor thread (asyncio.to_thread), which never ends.
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if done.cancelled():
+            return
+        done.set_result(result) if error is None else done.set_exception(error)
+
+    def run() -> None:
+        try:
+            result = fn()
+        except BaseException as e:  # handed to the awaiting task
+            loop.call_soon_threadsafe(settle, None, e)
+        else:
+            loop.call_soon_threadsafe(settle, result, None)
+
+    threading.Thread(target=run, name="model-loader", daemon=True).start()
+    return await done
+
+
 async def _load_in_background(app: FastAPI, settings: Settings) -> None:
     try:
-        state = await asyncio.to_thread(_load, settings)
+        state = await _in_own_thread(lambda: _load(settings))
     except Exception as e:  # a model that cannot load leaves nothing to serve: stop the server with the reason
         log.error("cannot load model %r: %s", settings.model, e)
         app.state.load_error = str(e)

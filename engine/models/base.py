@@ -8,14 +8,8 @@ from ..config import ModelConfig
 from ..batch import ForwardBatch
 from ..kv_cache import PagedKVCache
 from ..layers import RMSNorm, rope_cos_sin, rope_inv_freq
-from ..quant import intra_op_threads, packed_rows
+from ..quant import packed_rows
 from ..scripted_decode import script_decoder
-
-
-# Decode steps of up to this many rows run scripted, on one thread in a server; bigger ones stay eager, where the
-# packed matmuls get every thread (over HTTP, 8 streams: 335 -> 366 tokens/s scripted; 16 streams: 443 eager,
-# 424 scripted).
-SCRIPTED_MAX_ROWS = 12
 
 
 class DecoderModel(nn.Module):
@@ -31,10 +25,6 @@ class DecoderModel(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
         local = rope_inv_freq(cfg.local_rope, cfg.head_dim) if cfg.local_rope else None
         self.register_buffer("local_inv_freq", local, persistent=False)
-        # Intra-op threads for the output projection and, in eager steps, the packed matmuls of batched decoding
-        # (None: as the rest). Big matmuls gain from every core even when the small ops around them run on fewer
-        # (see Runner.decode_threads and quant.PARALLEL_MATMUL_ROWS).
-        self.wide_threads: int | None = None
         # Pure decode steps on CPU run the layers as one TorchScript call (engine/scripted_decode.py), built on the
         # first such step; False keeps every step on the eager modules.
         self.script_decode = True
@@ -46,10 +36,6 @@ class DecoderModel(nn.Module):
         if self.local_inv_freq is not None:
             batch.rope["local"] = rope_cos_sin(self.local_inv_freq, batch.positions, dtype)
 
-    def _output_projection(self, x: torch.Tensor) -> torch.Tensor:
-        with intra_op_threads(self.wide_threads):
-            return self.lm_head(x)
-
     def _scripted_layers(self) -> torch.jit.ScriptModule | None:
         """The scripted decode layers, built on first use (None: off, or this model has no scripted form)."""
         if not self.script_decode:
@@ -60,9 +46,6 @@ class DecoderModel(nn.Module):
 
     def _scripted_step(self, scripted: torch.jit.ScriptModule, x: torch.Tensor, batch: ForwardBatch,
                        cache: PagedKVCache) -> torch.Tensor:
-        # On the step's own threads (Runner.decode_threads in a server): with the GIL released the event loop runs
-        # beside the step, and a second intra-op thread would fight it for the other core at every parallel region
-        # (8 streams over HTTP: 28-35 ms a step with 2 threads, 22 ms with 1).
         group = batch.decode
         first, length = group.key_span if group.key_span is not None else (0, 0)
         cos, sin = batch.rope["global"]
@@ -80,16 +63,16 @@ class DecoderModel(nn.Module):
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         decode = batch.decode
         scripted = None
-        if decode is not None and not batch.prefills and decode.size <= SCRIPTED_MAX_ROWS and x.is_cpu:
+        if decode is not None and not batch.prefills and x.is_cpu:
             scripted = self._scripted_layers()
         if scripted is not None:
             x = self._scripted_step(scripted, x, batch, cache)
         else:
-            with packed_rows(decode.size if decode is not None else 0, self.wide_threads):
+            with packed_rows(decode.size if decode is not None else 0):
                 for layer in self.layers:
                     x = layer(x, batch, cache)
         x = self.norm(x.index_select(0, batch.logit_index))
-        logits = self._output_projection(x).float()
+        logits = self.lm_head(x).float()
         if self.cfg.final_logit_softcap:
             cap = self.cfg.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap

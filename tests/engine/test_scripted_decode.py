@@ -11,7 +11,6 @@ import torch
 
 from engine import load_runner
 from engine.batch import StepRow
-from engine.models.base import SCRIPTED_MAX_ROWS
 from tiny_models import VARIANTS, prompt_ids
 
 FORMATS = [("float32", "none"), ("bfloat16", "int4"), ("bfloat16", "int8")]
@@ -72,11 +71,9 @@ def test_scripted_decode_equals_the_eager_modules(tiny_zoo, variant, dtype, quan
     assert torch.equal(scripted, eager)
 
 
-def test_steps_with_prefill_rows_or_many_rows_stay_eager(tiny_zoo) -> None:
+def test_steps_with_prefill_rows_stay_eager(tiny_zoo) -> None:
     tiny = tiny_zoo.model("llama_tied")
     runner = _runner(tiny, "bfloat16", "int4", scripted=True)
-    _decode(runner, tiny, [6] * (SCRIPTED_MAX_ROWS + 1), 2, spacer=False)
-    assert runner.model._scripted.calls == 0
     a = runner.new_sequence(prompt_ids(tiny, 0, 10))
     runner.step([StepRow(a, 0, 10)])
     a.tokens.append(5)

@@ -1,0 +1,39 @@
+"""The model loads on a thread of its own that ends with the load (server/app.py `_in_own_thread`).
+
+Why it matters: a thread that ran torch's parallel ops keeps its OpenMP team while it lives, and with more OpenMP
+threads alive than cores libgomp sleeps at every barrier instead of spinning (bench/RESULTS.md: one stream 17 vs
+6 ms/token in process). The speed is measured in bench/; here, that the loader thread is gone afterwards.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from server.app import _in_own_thread
+
+
+def test_the_load_runs_on_a_new_thread_that_is_gone_afterwards() -> None:
+    seen: list[threading.Thread] = []
+
+    def load() -> float:
+        seen.append(threading.current_thread())
+        a = torch.randn(256, 256)
+        return float((a @ a).sum())  # a parallel op, as loading runs
+
+    result = asyncio.run(_in_own_thread(load))
+    assert isinstance(result, float)
+    assert seen[0] is not threading.main_thread() and seen[0].name == "model-loader"
+    seen[0].join(5)
+    assert not seen[0].is_alive()
+    assert seen[0] not in threading.enumerate()
+
+
+def test_a_failed_load_raises_in_the_awaiting_task() -> None:
+    def load() -> None:
+        raise FileNotFoundError("no such model")
+
+    with pytest.raises(FileNotFoundError, match="no such model"):
+        asyncio.run(_in_own_thread(load))
