@@ -59,11 +59,20 @@ def quantize_4bit(w: torch.Tensor) -> Affine4Bit:
     return Affine4Bit(codes.view(w.shape), scale, low)
 
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8: (codes int8 [out, in], float32 scales [out]) with w ≈ codes * scale."""
-    w = w.float()
-    scale = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-    return torch.round(w / scale.unsqueeze(1)).clamp_(-127, 127).to(torch.int8), scale
+def quantize_int8(w: torch.Tensor, rows_per_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: (codes int8 [out, in], float32 scales [out]) with w ≈ codes * scale.
+
+    Done `rows_per_chunk` rows at a time: whole-matrix temporaries of a 262144-row output projection (gemma3)
+    were three float32 copies of it, 2 GiB of load-time peak.
+    """
+    codes = torch.empty(w.shape, dtype=torch.int8)
+    scale = torch.empty(w.shape[0], dtype=torch.float32)
+    for start in range(0, w.shape[0], rows_per_chunk):
+        part = w[start:start + rows_per_chunk].float()
+        s = (part.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+        codes[start:start + rows_per_chunk] = torch.round(part / s.unsqueeze(1)).clamp_(-127, 127)
+        scale[start:start + rows_per_chunk] = s
+    return codes, scale
 
 
 def int4_supported(shape: tuple[int, ...] | torch.Size) -> bool:
