@@ -68,6 +68,14 @@ def test_affine_4bit_is_none_for_other_types() -> None:
     assert affine_4bit(raw, int(Q.Q8_0), (48, 256)) is None
 
 
+def test_int8_quantization_in_row_chunks_equals_the_whole_matrix_at_once() -> None:
+    w = torch.randn(1000, 64, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.01, 10, 1000)[:, None]
+    scale = w.abs().amax(dim=1) / 127
+    codes, got_scale = quantize_int8(w, rows_per_chunk=96)  # chunks that do not divide the rows
+    assert torch.equal(got_scale, scale)
+    assert torch.equal(codes, torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+
+
 def test_round_to_nearest_errors_are_within_half_a_step() -> None:
     w = torch.from_numpy(_weights(64, 128)) * 0.05
     four = quantize_4bit(w)
