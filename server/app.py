@@ -47,6 +47,8 @@ def _load(settings: Settings) -> ModelState:
     started = time.perf_counter()
     workers = []
     progress = LoadProgress(interactive=None if settings.log_format == "text" else False)
+    # CPU workers share the cores: more OpenMP threads than cores make every one of them sleep at its barriers.
+    threads = max(1, torch.get_num_threads() // settings.workers) if settings.device == "cpu" else None
     for i in range(settings.workers):
         runner = load_runner(settings.model, device=_worker_device(settings, i), dtype=settings.dtype,
                              quant=settings.quant,
@@ -59,7 +61,7 @@ def _load(settings: Settings) -> ModelState:
                  runner.cache.nbytes() / 2**20, str(runner.dtype).removeprefix("torch."),
                  "on" if blocks.prefix_caching else "off")
         workers.append(Worker(runner, f"worker-{i}", max_batched_tokens=settings.max_batched_tokens,
-                              max_running=settings.max_running))
+                              max_running=settings.max_running, threads=threads))
     pool = WorkerPool(workers, settings.max_queued)
     pool.start()
     runner = workers[0].runner
@@ -70,7 +72,7 @@ def _load(settings: Settings) -> ModelState:
              "in %.1fs", model_id, runner.family, str(runner.dtype).removeprefix("torch."),
              runner.quant if runner.quant != "none" else "dense",
              f" + a bfloat16 copy for prefill ({dense / 2**20:.0f} MiB)" if dense else "",
-             runner.device, torch.get_num_threads(), runner.context_size,
+             runner.device, threads or torch.get_num_threads(), runner.context_size,
              time.perf_counter() - started)
     return ModelState(model_id=model_id, runner=runner, pool=pool, fingerprint=f"fp_{digest}",
                       created=int(time.time()), max_prompt_tokens=settings.max_prompt_tokens)

@@ -5,6 +5,8 @@ import logging
 import queue
 import threading
 
+import torch
+
 from engine import Runner
 from engine.errors import EngineError
 
@@ -20,8 +22,8 @@ class Worker:
     """Owns one runner on one thread: takes submitted Generations and steps the scheduler while there is work."""
 
     def __init__(self, runner: Runner, name: str = "worker-0", max_batched_tokens: int = 512,
-                 max_running: int = 32) -> None:
-        self.runner = runner
+                 max_running: int = 32, threads: int | None = None) -> None:
+        self.runner, self.threads = runner, threads  # threads: torch intra-op threads of this worker (None: as set)
         self.scheduler = Scheduler(runner, max_batched_tokens=max_batched_tokens, max_running=max_running)
         self._inbox: queue.SimpleQueue[Generation | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -71,6 +73,8 @@ class Worker:
                 self.scheduler.add(gen)
 
     def _run(self) -> None:
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
         while not self._stopping:
             try:
                 self._take_submissions()

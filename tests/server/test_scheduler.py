@@ -119,3 +119,37 @@ def test_random_loads_with_shared_prefixes_always_finish(tiny_path: Path) -> Non
         outputs, _ = _run(runner, prompts, max_batched_tokens=budget)
         assert all(len(t) == MAX_TOKENS for t in outputs)
         assert runner.blocks.num_used == 0
+
+
+def test_a_worker_steps_on_its_share_of_the_cpu_threads(tiny_path: Path) -> None:
+    """CPU workers split the cores (server/app.py): each sets its own intra-op threads on its own thread."""
+    import torch
+
+    from server.worker import Worker
+
+    runner = load_runner(tiny_path, dtype="float32")
+    seen: list[int] = []
+    step = runner.step
+
+    def recording_step(rows):
+        seen.append(torch.get_num_threads())
+        return step(rows)
+
+    runner.step = recording_step
+    before = torch.get_num_threads()
+
+    async def main() -> None:
+        worker = Worker(runner, threads=1)
+        worker.start()
+        gen = Generation(prompt_ids=PROMPTS[0], params=SamplingParams(temperature=0), max_tokens=3, ignore_eos=True)
+        worker.submit(gen)
+        while not isinstance(await asyncio.wait_for(gen.events.get(), 30), GenerationDone):
+            pass
+        worker.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        torch.set_num_threads(before)  # the worker's setting is also torch's default for new threads
+    assert len(seen) == 3 and set(seen) == {1}
+    assert torch.get_num_threads() == before
