@@ -1,7 +1,9 @@
 """`ForwardBatch`: the rows of one forward pass (prefill chunks and decode tokens of many sequences), flattened.
 
 All new tokens of all rows form one [N] sequence for the projections and MLPs, the bulk of the work: the decode
-tokens (rows of one new token) first, then the prefill chunks. Attention is per row: the decode rows form one
+tokens (rows of one new token) first, then the short prefill chunks, then the long ones. The first `packed_tokens`
+go through the packed matmul kernels, the rest through the dense copies (quant.packed_rows): which one a row takes
+depends only on the row itself. Attention is per row: the decode rows form one
 batched group reading their keys through the block tables; each longer chunk (a prefill) attends on its own.
 """
 from __future__ import annotations
@@ -11,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .block_manager import KVSequence
+from .quant import DENSE_MIN_ROWS
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class ForwardBatch:
     logit_index: torch.Tensor          # [R] flat positions whose logits are returned, in the order of the rows
     decode: DecodeGroup | None = None
     prefills: list[PrefillRow] = field(default_factory=list)
+    packed_tokens: int = 0             # the decode tokens and the short chunks' tokens, first in the flat batch
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
@@ -76,7 +80,8 @@ def _consecutive(table: list[int]) -> bool:
 def build_batch(rows: list[StepRow], block_size: int, window: int | None, device: torch.device) -> ForwardBatch:
     """Lay out `rows` as one flat forward pass; `window` is the sliding-window size (None: no sliding layers)."""
     decode_rows = [row for row in rows if row.end - row.start == 1]
-    prefill_rows = [row for row in rows if row.end - row.start != 1]
+    short_rows = [row for row in rows if 1 < row.end - row.start < DENSE_MIN_ROWS]
+    prefill_rows = short_rows + [row for row in rows if row.end - row.start >= DENSE_MIN_ROWS]
     ids, positions, slots = [], [], []
     begins: dict[int, int] = {}
     for row in decode_rows + prefill_rows:
@@ -95,7 +100,8 @@ def build_batch(rows: list[StepRow], block_size: int, window: int | None, device
     def tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
 
-    batch = ForwardBatch(tensor(ids), tensor(positions), tensor(slots), tensor(logit_index))
+    batch = ForwardBatch(tensor(ids), tensor(positions), tensor(slots), tensor(logit_index),
+                         packed_tokens=len(decode_rows) + sum(row.end - row.start for row in short_rows))
 
     def blocks(row: StepRow) -> list[int]:
         return row.seq.block_table[:-(-row.end // block_size)]

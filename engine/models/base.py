@@ -68,7 +68,7 @@ class DecoderModel(nn.Module):
         if scripted is not None:
             x = self._scripted_step(scripted, x, batch, cache)
         else:
-            with packed_rows(decode.size if decode is not None else 0):
+            with packed_rows(batch.packed_tokens):
                 for layer in self.layers:
                     x = layer(x, batch, cache)
         x = self.norm(x.index_select(0, batch.logit_index))

@@ -186,6 +186,29 @@ def test_a_decode_row_gets_the_same_logits_beside_a_prefill(tiny_zoo, variant) -
     assert torch.equal(logits[0], logits[1])
 
 
+@pytest.mark.parametrize("variant", ["llama_tied", "gemma3"])
+def test_a_short_chunk_gets_the_same_logits_beside_other_rows(tiny_zoo, variant) -> None:
+    """Bit-identical: a short prefill chunk (packed kernels) alone and beside a long prefill (dense copies) and a
+    decode row, in either order of the rows."""
+    tiny = tiny_zoo.model(variant)
+    logits = []
+    for company in (False, True, "reversed"):
+        runner = load_runner(str(tiny.safetensors_dir), quant="int4")
+        a = runner.new_sequence(prompt_ids(tiny, 0, 12))
+        rows = [StepRow(a, 0, 12)]
+        if company:
+            b = runner.new_sequence(prompt_ids(tiny, 1, 40))
+            c = runner.new_sequence(prompt_ids(tiny, 1, 20))
+            runner.step([StepRow(c, 0, 20)])
+            c.tokens.append(7)
+            rows += [StepRow(b, 0, 40), StepRow(c, 20, 21)]
+        if company == "reversed":
+            rows.reverse()
+        out = runner.step(rows)
+        logits.append(out[rows.index(next(r for r in rows if r.seq is a))])
+    assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
+
+
 def test_int4_falls_back_to_int8_when_groups_do_not_divide_the_input() -> None:
     assert isinstance(quantized_linear(torch.randn(32, 48), None, "int4", torch.bfloat16), Int8Linear)
     assert isinstance(quantized_linear(torch.randn(32, 64), None, "int4", torch.bfloat16), Int4Linear)
