@@ -92,7 +92,10 @@ async def _in_own_thread(fn: Callable[[], T]) -> T:
     def settle(result: T | None, error: BaseException | None) -> None:
         if done.cancelled():
             return
-        done.set_result(result) if error is None else done.set_exception(error)
+        if error is None:
+            done.set_result(result)
+        else:
+            done.set_exception(error)
 
     def run() -> None:
         try:
