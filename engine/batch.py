@@ -3,8 +3,8 @@
 All new tokens of all rows form one [N] sequence for the projections and MLPs, the bulk of the work: the decode
 tokens (rows of one new token) first, then the short prefill chunks, then the long ones. The first `packed_tokens`
 go through the packed matmul kernels, the rest through the dense copies (quant.packed_rows): which one a row takes
-depends only on the row itself. Attention is per row: the decode rows form one
-batched group reading their keys through the block tables; each longer chunk (a prefill) attends on its own.
+depends only on the row itself. Attention is per row: the decode rows form one batched group reading their keys
+through the block tables; each longer chunk (a prefill) attends on its own.
 """
 from __future__ import annotations
 

@@ -85,8 +85,9 @@ _split = threading.local()  # per thread: each worker thread runs its own model
 @contextmanager
 def packed_rows(n: int) -> Iterator[None]:
     """Within: every PackedLinear with a dense copy runs the first `n` rows of a call (a batch's decode tokens and
-    short chunks, see batch.ForwardBatch) through its packed kernel and the rest (long chunks) through the dense copy. A token then gets the same
-    numbers whatever shares its batch; outside, the choice goes by the call's size."""
+    short chunks, see batch.ForwardBatch) through its packed kernel and the rest (long chunks) through the dense
+    copy. A token then gets the same numbers whatever shares its batch; outside, the choice goes by the call's size.
+    """
     previous = getattr(_split, "rows", None)
     _split.rows = n
     try:
