@@ -1,6 +1,8 @@
 """`PagedKVCache`: one preallocated pool of key/value blocks per layer, addressed by token slots."""
 from __future__ import annotations
 
+from typing import Tuple
+
 import torch
 
 from .config import ModelConfig
@@ -27,6 +29,20 @@ def gather_blocks(store: torch.Tensor, blocks: torch.Tensor, block_size: int) ->
     return picked.view(heads, b, n * block_size, dim).transpose(0, 1).contiguous()
 
 
+def write_slots(keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> None:
+    """Store k, v [N, kv_heads, head_dim] at token `slots` [N] of one layer's stores [kv_heads, slots, head_dim]."""
+    keys.index_copy_(1, slots, k.transpose(0, 1))
+    values.index_copy_(1, slots, v.transpose(0, 1))
+
+
+def window_span(first: int, length: int, window: int) -> Tuple[int, int]:
+    """The part of slots [first, first + length) a sliding window of `window` keys sees (0: no window)."""
+    if 0 < window < length:
+        return first + length - window, window
+    return first, length
+
+
 class PagedKVCache:
     """Keys and values as [kv_heads, num_blocks * block_size, head_dim] per layer.
 
@@ -44,8 +60,7 @@ class PagedKVCache:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [N, kv_heads, head_dim] at token `slots` [N]."""
-        self.keys[layer].index_copy_(1, slots, k.transpose(0, 1))
-        self.values[layer].index_copy_(1, slots, v.transpose(0, 1))
+        write_slots(self.keys[layer], self.values[layer], slots, k, v)
 
     def gather(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of whole `blocks` [n] or [B, n]: see `gather_blocks`."""

@@ -10,7 +10,7 @@ from torch import nn
 
 from .config import ModelConfig, RopeConfig
 from .batch import ForwardBatch
-from .kv_cache import PagedKVCache
+from .kv_cache import PagedKVCache, window_span
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, doubled: torch.Tensor, eps: float) -> torch.Tensor:
@@ -141,9 +141,8 @@ class Attention(nn.Module):
         out = None
         if (group := batch.decode) is not None:
             if group.key_span is not None:
-                first, length = group.key_span
-                if self.sliding and length > self.cfg.sliding_window:  # only the window's keys are visible
-                    first, length = first + length - self.cfg.sliding_window, self.cfg.sliding_window
+                # only the window's keys are visible
+                first, length = window_span(*group.key_span, self.cfg.sliding_window if self.sliding else 0)
                 keys, values = cache.span(self.layer, first, length)
                 mask = None
             else:

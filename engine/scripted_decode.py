@@ -2,9 +2,10 @@
 
 A decode step is some 40 small operator calls per layer. From Python each call costs dispatch overhead, and each
 releases and re-takes the GIL, so in a server every step queues behind the event loop's Python again and again
-(an 8-row step: 19.5 ms alone, 23-26 ms beside the HTTP streams it feeds). TorchScript runs the same aten
-operators, built from the same functions the eager modules use (`rms_norm`, `apply_rope`, `decode_attention`,
-`gated_activation`, `gather_blocks`, `int4_matmul`), in its C++ interpreter with the GIL released throughout.
+(an 8-row step: 19.5 ms alone, 21-23 ms beside a thread running Python for 0.1-0.4 ms of every 3). TorchScript
+runs the same aten operators, built from the same functions the eager modules use (`rms_norm`, `apply_rope`,
+`decode_attention`, `gated_activation`, `gather_blocks`, `write_slots`, `window_span`, `int4_matmul`), in its C++
+interpreter with the GIL released throughout.
 Steps with prefill rows, and non-CPU devices, stay on the eager modules.
 """
 # No `from __future__ import annotations`: TorchScript reads the class annotations as types.
@@ -17,11 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kv_cache import gather_blocks
+from .kv_cache import gather_blocks, window_span, write_slots
 from .layers import Attention, GatedMLP, RMSNorm, apply_rope, decode_attention, gated_activation, rms_norm
 from .quant import Int4Linear, Int8Linear, int4_matmul
 
 log = logging.getLogger("emberserve.engine")
+
 
 class ScriptedLinear(nn.Module):
     """The decode-row matmul of an nn.Linear, Int8Linear or Int4Linear, sharing its tensors."""
@@ -99,12 +101,9 @@ class ScriptedLayer(nn.Module):
             qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
         qk = apply_rope(qk, cos, sin)
         q, k = qk[:, :h], qk[:, h:]
-        keys.index_copy_(1, slots, k.transpose(0, 1))
-        values.index_copy_(1, slots, v.transpose(0, 1))
+        write_slots(keys, values, slots, k, v)
         if span_length > 0:  # one row whose keys are consecutive slots, read in place
-            first, length = span_first, span_length
-            if self.sliding and length > self.window:
-                first, length = first + length - self.window, self.window
+            first, length = window_span(span_first, span_length, self.window if self.sliding else 0)
             k_all, v_all = keys[:, first:first + length].unsqueeze(0), values[:, first:first + length].unsqueeze(0)
             mask: Optional[torch.Tensor] = None
         else:
