@@ -44,7 +44,12 @@ class BlockManager:
             raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
         self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
         self.refcount = [0] * num_blocks
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        # Free blocks: a set for O(1) membership and a stack for the order they are handed out in (low ids first at
+        # the start, then the most recently freed). A block taken out of turn (`_take(after)`) stays on the stack
+        # as a stale entry, skipped when it comes up; the stack is rebuilt when stale entries dominate.
+        self._free: set[int] = set(range(num_blocks))
+        self._free_order: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._copies: list[tuple[int, int]] = []                     # copy-on-write (source, copy) to perform
         self._evictable: OrderedDict[int, None] = OrderedDict()      # cached, unreferenced; oldest first
         self._hash_of: dict[int, int] = {}                           # block → its prefix hash
         self._tokens_of: dict[int, tuple[int, ...]] = {}             # block → the tokens it holds (hit check)
@@ -61,35 +66,74 @@ class BlockManager:
     def num_used(self) -> int:
         return self.num_blocks - self.num_free
 
-    def blocks_needed(self, seq: KVSequence, total_tokens: int) -> int:
-        """New blocks `seq` needs to hold `total_tokens` tokens."""
-        return max(0, -(-total_tokens // self.block_size) - len(seq.block_table))
+    def _shared(self, block: int) -> bool:
+        """Whether writing into `block` must first copy it: other holders, or registered in the prefix cache."""
+        return self.refcount[block] > 1 or block in self._hash_of
+
+    def blocks_needed(self, seq: KVSequence, total_tokens: int, start: int | None = None) -> int:
+        """Blocks `seq` takes to hold `total_tokens` tokens when it writes from `start` (default: its computed
+        length): new table entries, plus a private copy of every shared block the write lands in."""
+        bs, table = self.block_size, seq.block_table
+        first = (seq.num_computed if start is None else start) // bs
+        copies = sum(self._shared(table[i]) for i in range(first, min(len(table), -(-total_tokens // bs))))
+        return max(0, -(-total_tokens // bs) - len(table)) + copies
 
     def can_allocate(self, seq: KVSequence, total_tokens: int, reserve: int = 0) -> bool:
         return self.blocks_needed(seq, total_tokens) + reserve <= self.num_free
+
+    def _pop_free(self) -> int:
+        while True:
+            block = self._free_order.pop()
+            if block in self._free:
+                self._free.discard(block)
+                return block
+
+    def _push_free(self, block: int) -> None:
+        self._free.add(block)
+        self._free_order.append(block)
+        if len(self._free_order) > 2 * self.num_blocks:  # mostly stale entries: keep the live ones, in order
+            seen: set[int] = set()
+            order = [b for b in reversed(self._free_order) if b in self._free and not (b in seen or seen.add(b))]
+            self._free_order = order[::-1]
 
     def _take(self, after: int | None = None) -> int:
         """A free block; the one right after block `after` if that one is free, so that a sequence's keys tend to
         stay one run of slots, which attention then reads in place instead of gathering (see batch.py)."""
         nxt = None if after is None else after + 1
-        if nxt is not None and nxt < self.num_blocks and self.refcount[nxt] == 0 and nxt not in self._hash_of:
-            self._free.remove(nxt)  # unreferenced and not cached: it is on the free list
+        if nxt is not None and nxt in self._free:
+            self._free.discard(nxt)  # its stack entry goes stale
             block = nxt
         elif self._free:
-            block = self._free.pop()
+            block = self._pop_free()
         else:
             block, _ = self._evictable.popitem(last=False)
             self._unregister(block)
         self.refcount[block] = 1
         return block
 
-    def allocate(self, seq: KVSequence, total_tokens: int) -> None:
-        """Grow the block table to hold `total_tokens` tokens; all or nothing."""
-        need = self.blocks_needed(seq, total_tokens)
+    def allocate(self, seq: KVSequence, total_tokens: int, start: int | None = None) -> None:
+        """Make `seq` ready to write tokens [start, total_tokens) (start: its computed length by default): grow its
+        block table, and move it to a private copy of each shared block the write lands in (copy-on-write; the
+        pairs wait in `take_copies` for the cache to copy). All or nothing."""
+        need = self.blocks_needed(seq, total_tokens, start)
         if need > self.num_free:
             raise NoFreeBlocks(f"KV cache full: {need} blocks needed, {self.num_free} free of {self.num_blocks}")
-        for _ in range(need):
-            seq.block_table.append(self._take(seq.block_table[-1] if seq.block_table else None))
+        bs, table = self.block_size, seq.block_table
+        first = (seq.num_computed if start is None else start) // bs
+        for i in range(first, min(len(table), -(-total_tokens // bs))):
+            block = table[i]
+            if self._shared(block):
+                fresh = self._take(table[i - 1] if i else None)
+                self._copies.append((block, fresh))
+                self._decref(block)
+                table[i] = fresh
+        while len(table) < -(-total_tokens // bs):
+            table.append(self._take(table[-1] if table else None))
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write (source, copy) block pairs allocated since the last call; the caller copies them."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def _decref(self, block: int) -> None:
         self.refcount[block] -= 1
@@ -97,11 +141,14 @@ class BlockManager:
             if block in self._hash_of:
                 self._evictable[block] = None
             else:
-                self._free.append(block)
+                self._push_free(block)
 
     def release(self, seq: KVSequence) -> None:
         """Give back every block of `seq`; it keeps its tokens and can be started again from nothing."""
         # Last block first: eviction then takes a chain's tail before its head, keeping the prefix matchable.
+        if self._copies:  # copies into blocks given back now must not land on their next holder
+            gone = set(seq.block_table)
+            self._copies = [(src, dst) for src, dst in self._copies if dst not in gone]
         for block in reversed(seq.block_table):
             self._decref(block)
         seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
@@ -119,25 +166,6 @@ class BlockManager:
             self.refcount[block] += 1
         full = length // self.block_size
         return KVSequence(list(seq.tokens[:length]), list(blocks), length, length, seq.block_hashes[:full])
-
-    # ---- writing ----
-    def prepare_write(self, seq: KVSequence, start: int, end: int) -> list[tuple[int, int]]:
-        """Make the blocks holding positions [start, end) private to `seq`: (source, copy) block pairs to copy.
-
-        A shared block, or one registered in the prefix cache, must not change under its other users: writing
-        into it first moves the sequence to a private copy (copy-on-write).
-        """
-        copies = []
-        for i in range(start // self.block_size, -(-end // self.block_size)):
-            block = seq.block_table[i]
-            if self.refcount[block] > 1 or block in self._hash_of:
-                if not self.num_free:
-                    raise NoFreeBlocks("KV cache full: no block for a copy-on-write")
-                fresh = self._take(seq.block_table[i - 1] if i else None)
-                copies.append((block, fresh))
-                self._decref(block)
-                seq.block_table[i] = fresh
-        return copies
 
     # ---- prefix cache ----
     def _chain(self, prev: int | None, tokens: tuple[int, ...]) -> int:
@@ -194,4 +222,4 @@ class BlockManager:
             self._unregister(block)
         while self._evictable:
             block, _ = self._evictable.popitem(last=False)
-            self._free.append(block)
+            self._push_free(block)

@@ -19,3 +19,11 @@ class ModelNotInstalledError(EngineError):
 
 class ContextLengthError(EngineError, ValueError):
     """A sequence would grow past the runner's context size."""
+
+
+class RowError(EngineError, ValueError):
+    """Rows of a batched step that cannot run, by their index in the step (index -> why); nothing was changed."""
+
+    def __init__(self, errors: dict[int, str]) -> None:
+        super().__init__("; ".join(f"row {i}: {message}" for i, message in sorted(errors.items())))
+        self.errors = errors

@@ -13,7 +13,7 @@ import torch
 from .batch import StepRow, build_batch
 from .block_manager import BlockManager, KVSequence
 from .config import ModelConfig
-from .errors import ContextLengthError
+from .errors import ContextLengthError, RowError
 from .kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
 from .models import DecoderModel
 from .tokenizer import Tokenizer
@@ -112,21 +112,35 @@ class Runner:
             except queue.Empty:
                 return
 
+    def row_error(self, row: StepRow) -> str | None:
+        """Why `row` cannot run (it does not continue its sequence, or outgrows the context), or None."""
+        if row.start != row.seq.num_computed or not row.start < row.end <= len(row.seq.tokens):
+            return (f"row [{row.start}, {row.end}) does not continue a sequence of {row.seq.num_computed} "
+                    f"computed of {len(row.seq.tokens)} tokens")
+        if row.end > self.context_size:
+            return f"sequence of {row.end} tokens exceeds the context size of {self.context_size} tokens"
+        return None
+
+    def row_errors(self, rows: Sequence[StepRow]) -> dict[int, str]:
+        """`row_error` of every row that cannot run, by index."""
+        errors = {i: self.row_error(row) for i, row in enumerate(rows)}
+        return {i: e for i, e in errors.items() if e is not None}
+
     @torch.inference_mode()
     def step(self, rows: list[StepRow]) -> torch.Tensor:
         """One forward pass over every row; float32 logits [R, vocab] for the rows' "last"/"all" positions in order.
 
-        Blocks are allocated here (NoFreeBlocks if the pool cannot hold a row); afterwards each row's sequence
-        counts the tokens as computed and its completed blocks enter the prefix cache.
+        Rows that cannot run (see `row_errors`) raise RowError naming them before anything changes. Blocks are
+        allocated here (NoFreeBlocks if the pool cannot hold a row); afterwards each row's sequence counts the
+        tokens as computed and its completed blocks enter the prefix cache.
         """
         self._drain_released()
+        errors = self.row_errors(rows)
+        if errors:
+            raise RowError(errors)
         for row in rows:
-            if row.start != row.seq.num_computed or not row.start < row.end <= len(row.seq.tokens):
-                raise ValueError(f"row [{row.start}, {row.end}) does not continue a sequence of "
-                                 f"{row.seq.num_computed} computed of {len(row.seq.tokens)} tokens")
-            self._check_fits(row.end)
             self.blocks.allocate(row.seq, row.end)
-            self.cache.copy_blocks(self.blocks.prepare_write(row.seq, row.start, row.end))
+        self.cache.copy_blocks(self.blocks.take_copies())
         batch = build_batch(rows, self.blocks.block_size, self.config.sliding_window, self.device)
         self.model.add_rope(batch, self.dtype)
         logits = self.model(batch, self.cache)
