@@ -43,7 +43,7 @@ def _worker_device(settings: Settings, index: int) -> str:
     return settings.device
 
 
-def _load(settings: Settings) -> ModelState:
+def _load(settings: Settings, on_worker_failure: Callable[[Worker], None]) -> ModelState:
     started = time.perf_counter()
     workers = []
     progress = LoadProgress(interactive=None if settings.log_format == "text" else False)
@@ -61,7 +61,7 @@ def _load(settings: Settings) -> ModelState:
                  runner.cache.nbytes() / 2**20, str(runner.dtype).removeprefix("torch."),
                  "on" if blocks.prefix_caching else "off")
         workers.append(Worker(runner, f"worker-{i}", max_batched_tokens=settings.max_batched_tokens,
-                              max_running=settings.max_running, threads=threads))
+                              max_running=settings.max_running, threads=threads, on_failure=on_worker_failure))
     pool = WorkerPool(workers, settings.max_queued)
     pool.start()
     runner = workers[0].runner
@@ -75,7 +75,8 @@ def _load(settings: Settings) -> ModelState:
              runner.device, threads or torch.get_num_threads(), runner.context_size,
              time.perf_counter() - started)
     return ModelState(model_id=model_id, runner=runner, pool=pool, fingerprint=f"fp_{digest}",
-                      created=int(time.time()), max_prompt_tokens=settings.max_prompt_tokens)
+                      created=int(time.time()), max_prompt_tokens=settings.max_prompt_tokens,
+                      stream_timeout=settings.stream_timeout)
 
 
 async def _in_own_thread(fn: Callable[[], T]) -> T:
@@ -110,8 +111,13 @@ async def _in_own_thread(fn: Callable[[], T]) -> T:
 
 
 async def _load_in_background(app: FastAPI, settings: Settings) -> None:
+    loop = asyncio.get_running_loop()
+
+    def worker_failed(worker: Worker) -> None:  # on the worker's thread
+        loop.call_soon_threadsafe(_stop_serving, app, f"{worker.name} stopped serving: {worker.failure}")
+
     try:
-        state = await _in_own_thread(lambda: _load(settings))
+        state = await _in_own_thread(lambda: _load(settings, worker_failed))
     except Exception as e:  # a model that cannot load leaves nothing to serve: stop the server with the reason
         log.error("cannot load model %r: %s", settings.model, e)
         app.state.load_error = str(e)
@@ -122,6 +128,14 @@ async def _load_in_background(app: FastAPI, settings: Settings) -> None:
     app.state.completions = CompletionServing(state, app.state.metrics)
     log.info("serving %s at http://%s:%d/v1%s", state.model_id, settings.host, settings.port,
              " (API key required)" if settings.api_key else "")
+
+
+def _stop_serving(app: FastAPI, reason: str) -> None:
+    """A worker died: /health turns 503 and the server exits (non-zero) so that its supervisor restarts it."""
+    if app.state.fatal_error is None:
+        log.critical("%s; shutting down", reason)
+        app.state.fatal_error = reason
+        app.state.request_shutdown()
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -143,6 +157,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.settings = settings
     app.state.model = None
     app.state.load_error = None
+    app.state.fatal_error = None   # set when a worker stopped serving: unhealthy, and the server exits
     app.state.in_flight = 0        # requests being answered, probes and scrapes aside
     app.state.draining = False     # set by SIGTERM: /health answers 503 and new requests are refused
     app.state.metrics = ServerMetrics(lambda: app.state.model.pool.stats() if app.state.model is not None else None)

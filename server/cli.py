@@ -20,6 +20,7 @@ from .logs import configure_logging
 from .settings import Settings, env_name, flag_name
 
 EXIT_LOAD_FAILED = 3
+EXIT_WORKER_FAILED = 4
 FINAL_CLOSE_S = 1  # after the drain: how long uvicorn waits for open responses before cancelling them
 log = logging.getLogger("emberserve")
 
@@ -81,6 +82,9 @@ def _serve(args: argparse.Namespace) -> int:
     if app.state.load_error:
         print(f"error: cannot load model {settings.model!r}: {app.state.load_error}", file=sys.stderr)
         return EXIT_LOAD_FAILED
+    if app.state.fatal_error:
+        print(f"error: {app.state.fatal_error}", file=sys.stderr)
+        return EXIT_WORKER_FAILED
     return 0
 
 

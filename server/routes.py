@@ -51,6 +51,9 @@ async def health(request: Request) -> JSONResponse:
         return JSONResponse({"status": "draining"}, status_code=503)
     if state is None:
         return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": LOADING_RETRY_AFTER_S})
+    failure = state.pool.failure
+    if failure is not None:
+        return JSONResponse({"status": "unhealthy", "error": failure}, status_code=503)
     runner = state.runner
     return JSONResponse({"status": "ok", "model": state.model_id, "device": str(runner.device),
                          "dtype": str(runner.dtype).removeprefix("torch."), "quant": runner.quant,

@@ -2,8 +2,12 @@
 budget allows (long prompts in chunks), samples all rows at once, then retires finished sequences and admits more.
 
 A Generation starts as one prompt sequence; once its prompt is computed it forks into `n` choices that share the
-prompt's KV blocks. When the pool runs out of blocks, the newest sequence is preempted: its blocks are freed and it
-waits to be recomputed (mostly from the prefix cache), keeping every token it generated.
+prompt's KV blocks, each counting as one of the `max_running` sequences. When the pool runs out of blocks, the
+newest sequence is preempted: its blocks are freed and it waits to be recomputed (mostly from the prefix cache),
+keeping every token it generated.
+
+Faults stay with the requests they belong to: a row the runner refuses (RowError) fails only its generation, with
+a 400; a step that crashes fails the generations in that step (`fail_step`), and everything else keeps going.
 """
 from __future__ import annotations
 
@@ -16,8 +20,10 @@ import torch
 from engine import Runner
 from engine.batch import StepRow
 from engine.block_manager import KVSequence
+from engine.errors import RowError
 
-from .generation import ChoiceDelta, EventBatch, Generation, GenerationDone, PromptLogprobs, TokenLogprob
+from .generation import ChoiceDelta, EventBatch, Generation, GenerationDone, GenerationFailed, PromptLogprobs, \
+    TokenLogprob
 from .sampling import SequenceSampler, sample_batch
 from .stopping import StopChecker
 
@@ -34,6 +40,16 @@ class Unit:
     sampler: SequenceSampler | None = None
     stopper: StopChecker | None = None
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """A prompt whose every position's logprob is asked for (echo with logprobs)."""
+        return self.choice is None and self.gen.prompt_logprobs is not None
+
+    @property
+    def slots(self) -> int:
+        """Running sequences this unit stands for: its `n` choices once a prompt forks."""
+        return self.gen.n if self.choice is None else 1
 
 
 @dataclass(eq=False)
@@ -52,6 +68,9 @@ class Scheduler:
         self.waiting: deque[Unit] = deque()
         self.running: list[Unit] = []
         self._gens: dict[Generation, _GenState] = {}
+        self._take: dict[Unit, int] = {}
+        self._stepping: list[Unit] = []  # the units of the step under way, failed together if it crashes
+        self._cursor = 0                 # where the next step starts among the decoding sequences (fairness)
         self.generated_tokens = 0
         self.preemptions = 0
         self.events = EventBatch()
@@ -83,13 +102,25 @@ class Scheduler:
         for gen in [g for g in self._gens if g.cancelled]:
             self._drop(gen)
 
-    def fail_all(self) -> list[Generation]:
-        """Free every generation after a failed step; returns them so the caller can report the error."""
-        self.events.flush()  # what the step produced before failing goes out first
-        gens = list(self._gens)
-        for gen in gens:
-            self._drop(gen)
-        return gens
+    def fail(self, gens: list[Generation], status: int, message: str, code: str | None = None) -> None:
+        """End `gens` with an error event, freeing what they hold; what was produced before goes out first."""
+        self.events.flush()
+        for gen in dict.fromkeys(gens):
+            if gen in self._gens:
+                self._drop(gen)
+                gen.emit(GenerationFailed(status, message, code))
+
+    def fail_step(self, status: int, message: str) -> int:
+        """Fail the generations of the step that was under way (it crashed); returns how many."""
+        gens = [u.gen for u in self._stepping]
+        self._stepping = []
+        self.fail(gens, status, message)
+        return len(dict.fromkeys(gens))
+
+    def fail_all(self, status: int, message: str) -> None:
+        """Fail every generation this scheduler holds (its worker cannot go on)."""
+        self._stepping = []
+        self.fail(list(self._gens), status, message)
 
     def _preempt_newest(self, keep: Unit, scheduled: dict[Unit, int]) -> bool:
         """Free the blocks of the most recently admitted running sequence not yet scheduled this step (nor `keep`)."""
@@ -105,14 +136,33 @@ class Scheduler:
         return False
 
     # ---- one step ----
+    def _running_order(self) -> list[Unit]:
+        """Decoding sequences first, from a cursor that moves on each step (so that a token budget smaller than
+        the batch serves every sequence in turn), then prompts still being prefilled, oldest first."""
+        decoding = [u for u in self.running if u.kv.num_pending <= 1]
+        prefilling = [u for u in self.running if u.kv.num_pending > 1]
+        start = self._cursor % len(decoding) if decoding else 0
+        return decoding[start:] + decoding[:start] + prefilling
+
+    def _refused(self, unit: Unit, take: int) -> bool:
+        """Fail the unit's generation if the runner would refuse its next row (before blocks are spent on it)."""
+        error = self.runner.row_error(StepRow(unit.kv, unit.kv.num_computed, unit.kv.num_computed + take))
+        if error is not None:
+            log.warning("%s: %s", unit.gen.request_id, error)
+            self.fail([unit.gen], 400, error, "context_length_exceeded" if "context" in error else None)
+        return error is not None
+
     def _schedule(self) -> list[Unit]:
         """Pick this step's units and give each the blocks it needs; a unit computes min(pending, budget) tokens."""
         blocks, budget, chosen = self.runner.blocks, self.max_batched_tokens, []
-        self._take: dict[Unit, int] = {}
-        for unit in list(self.running):
-            if unit not in self.running or budget <= 0:
-                continue
+        self._take = {}
+        decoded = 0
+        for unit in self._running_order():
+            if unit not in self.running or budget <= 0 or unit.gen.backlogged:
+                continue  # preempted or failed meanwhile, out of budget, or paused: its reader is far behind
             take = min(unit.kv.num_pending, budget)
+            if self._refused(unit, take):
+                continue
             while not blocks.can_allocate(unit.kv, unit.kv.num_computed + take) and self._preempt_newest(unit, self._take):
                 pass
             if not blocks.can_allocate(unit.kv, unit.kv.num_computed + take):
@@ -123,16 +173,23 @@ class Scheduler:
             blocks.allocate(unit.kv, unit.kv.num_computed + take)
             self._take[unit] = take
             chosen.append(unit)
+            decoded += take == 1
             budget -= take
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+        self._cursor += decoded
+        while self.waiting and budget > 0 and (not self.running or
+                                               len(self.running) + self.waiting[0].slots <= self.max_running):
             unit = self.waiting[0]
             if unit.kv.num_computed == 0 and not unit.kv.block_table:
-                want_all = unit.choice is None and unit.gen.prompt_logprobs is not None
-                if not want_all:  # prompt logprobs need every position computed, so no prefix reuse then
+                if unit.wants_prompt_logprobs:
+                    # Every prompt position's logprob is computed, so no prefix is reused; a restart recomputes.
+                    unit.prompt_logprobs = []
+                else:
                     blocks.match_prefix(unit.kv, len(unit.kv.tokens) - 1)
-                    if unit.choice is None:
-                        self._gens[unit.gen].cached_tokens = unit.kv.num_cached
+                if unit.choice is None:
+                    self._gens[unit.gen].cached_tokens = unit.kv.num_cached
             take = min(unit.kv.num_pending, budget)
+            if self._refused(unit, take):
+                continue
             # Keep one free block per running sequence so admitting this one does not force a preemption.
             if not blocks.can_allocate(unit.kv, unit.kv.num_computed + take, reserve=len(self.running)):
                 if self.running:
@@ -144,7 +201,11 @@ class Scheduler:
                         if other is not unit and other.kv.block_table:
                             self.runner.free_sequence(other.kv)
                     if not blocks.can_allocate(unit.kv, unit.kv.num_computed + take):
-                        raise RuntimeError("the KV cache cannot hold even one sequence of this length")
+                        # Cannot happen while the context is capped to the pool (Runner); fail it, not the worker.
+                        log.error("%s: the KV cache cannot hold a sequence of %d tokens", unit.gen.request_id,
+                                  len(unit.kv.tokens))
+                        self.fail([unit.gen], 500, "the KV cache cannot hold this sequence")
+                        continue
             self.waiting.popleft()
             blocks.allocate(unit.kv, unit.kv.num_computed + take)
             self.running.append(unit)
@@ -153,20 +214,38 @@ class Scheduler:
             budget -= take
         return chosen
 
+    def _rows(self, units: list[Unit]) -> list[StepRow]:
+        rows = []
+        for unit in units:
+            kv, end = unit.kv, unit.kv.num_computed + self._take[unit]
+            logits = "all" if unit.wants_prompt_logprobs else "last" if end == len(kv.tokens) else "none"
+            rows.append(StepRow(kv, kv.num_computed, end, logits))
+        return rows
+
+    def _forward(self, units: list[Unit]) -> tuple[list[Unit], list[StepRow], torch.Tensor] | None:
+        """The runner's step over `units`; rows it refuses fail their generations (400) and the rest run."""
+        while units:
+            rows = self._rows(units)
+            try:
+                return units, rows, self.runner.step(rows)
+            except RowError as e:  # what _refused did not foresee: fail those rows, run the rest
+                for i, message in sorted(e.errors.items()):
+                    log.warning("%s: %s", units[i].gen.request_id, message)
+                    self.fail([units[i].gen], 400, message)
+                units = [u for u in units if u.gen in self._gens]
+        return None
+
     @torch.inference_mode()
     def step(self) -> None:
         """Advance every scheduled sequence by one forward pass and handle what it produced."""
         self.drop_cancelled()
-        units = self._schedule()
-        if not units:
+        self._stepping = self._schedule()
+        done = self._forward(self._stepping)
+        if done is None:
+            self._stepping = []
             return
-        rows = []
-        for unit in units:
-            kv, end = unit.kv, unit.kv.num_computed + self._take[unit]
-            done = end == len(kv.tokens)
-            want_all = unit.choice is None and unit.gen.prompt_logprobs is not None
-            rows.append(StepRow(kv, kv.num_computed, end, ("all" if want_all else "last") if done else "none"))
-        logits = self.runner.step(rows)
+        units, rows, logits = done
+        self._stepping = units
         finished_rows, offset = [], 0
         for unit, row in zip(units, rows):
             if row.logits == "none":
@@ -176,23 +255,28 @@ class Scheduler:
             offset += n
             if row.logits == "all":
                 self._collect_prompt_logprobs(unit, row, chunk)
-            finished_rows.append((unit, chunk[-1]))
+            if row.end == len(unit.kv.tokens):
+                finished_rows.append((unit, chunk[-1]))
         self._sample(finished_rows)
+        self._cap_running()
+        self._stepping = []
         self.events.flush()
 
     def _collect_prompt_logprobs(self, unit: Unit, row: StepRow, logits: torch.Tensor) -> None:
-        """Logprobs of prompt tokens row.start+1 .. row.end-1 given their prefixes (row i predicts token i+1)."""
+        """Logprobs of the prompt tokens after each position of the chunk (row i predicts token start + i + 1)."""
         top_n = unit.gen.prompt_logprobs or 0
-        logp = torch.log_softmax(logits[:-1].float(), dim=-1) if len(logits) > 1 else None
         if row.start == 0:
-            unit.prompt_logprobs.append(None)
-        if logp is not None:
-            targets = torch.tensor(unit.kv.tokens[row.start + 1:row.end], dtype=torch.long, device=logp.device)
-            chosen = logp.gather(1, targets[:, None])[:, 0].tolist()
-            top_vals, top_ids = logp.topk(top_n, dim=-1) if top_n else (None, None)
-            for i, token in enumerate(targets.tolist()):
-                top = list(zip(top_ids[i].tolist(), top_vals[i].tolist())) if top_n else []
-                unit.prompt_logprobs.append(TokenLogprob(token, chosen[i], top))
+            unit.prompt_logprobs.append(None)  # the first token has no context to be predicted from
+        targets = unit.kv.tokens[row.start + 1:row.end + 1]  # the last chunk's last row predicts no prompt token
+        if not targets:
+            return
+        logp = torch.log_softmax(logits[:len(targets)].float(), dim=-1)
+        ids = torch.tensor(targets, dtype=torch.long, device=logp.device)
+        chosen = logp.gather(1, ids[:, None])[:, 0].tolist()
+        top_vals, top_ids = (t.tolist() for t in logp.topk(top_n, dim=-1)) if top_n else ([], [])
+        for i, token in enumerate(targets):
+            top = list(zip(top_ids[i], top_vals[i])) if top_n else []
+            unit.prompt_logprobs.append(TokenLogprob(token, chosen[i], top))
 
     def _fork(self, unit: Unit) -> list[Unit]:
         """Turn a computed prompt into its `n` choices, sharing the prompt's blocks."""
@@ -212,6 +296,18 @@ class Scheduler:
         position = self.running.index(unit)
         self.running[position:position + 1] = choices
         return choices
+
+    def _cap_running(self) -> None:
+        """Past `max_running` (a prompt forked into more choices than there was room for), the newest choices wait
+        at the head of the queue, keeping their blocks, until others finish."""
+        excess = len(self.running) - self.max_running
+        for unit in list(reversed(self.running)):
+            if excess <= 0:
+                break
+            if unit.choice is not None and len(self.running) > 1:
+                self.running.remove(unit)
+                self.waiting.appendleft(unit)
+                excess -= 1
 
     def _sample(self, rows: list[tuple[Unit, torch.Tensor]]) -> None:
         todo: list[tuple[Unit, torch.Tensor]] = []

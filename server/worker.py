@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -16,18 +17,33 @@ from .scheduler import Scheduler
 
 log = logging.getLogger("emberserve.worker")
 RETRY_AFTER_S = "2"
+# Consecutive crashed steps after which a worker gives up: a device or model that fails every step is broken, and a
+# restart (the server exits, its supervisor starts it again) serves better than failing every request forever.
+MAX_FAILED_STEPS = 3
+
+
+class WorkerBroken(Exception):
+    """Raised on a worker's thread when it stops serving for good."""
 
 
 class Worker:
-    """Owns one runner on one thread: takes submitted Generations and steps the scheduler while there is work."""
+    """Owns one runner on one thread: takes submitted Generations and steps the scheduler while there is work.
+
+    A step that fails fails the requests in it (scheduler.fail_step) and the worker goes on. If its thread dies
+    (MAX_FAILED_STEPS crashed steps in a row, or anything that escapes the loop), it fails every request it holds
+    or is sent, sets `failure`, and calls `on_failure(self)` from its thread.
+    """
 
     def __init__(self, runner: Runner, name: str = "worker-0", max_batched_tokens: int = 512,
-                 max_running: int = 32, threads: int | None = None) -> None:
+                 max_running: int = 32, threads: int | None = None,
+                 on_failure: Callable[[Worker], None] | None = None) -> None:
         self.runner, self.threads = runner, threads  # threads: torch intra-op threads of this worker (None: as set)
+        self.name, self.on_failure = name, on_failure
         self.scheduler = Scheduler(runner, max_batched_tokens=max_batched_tokens, max_running=max_running)
         self._inbox: queue.SimpleQueue[Generation | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._stopping = False
+        self.failure: str | None = None  # why the worker stopped serving, once it has
 
     def start(self) -> None:
         self._thread.start()
@@ -73,21 +89,51 @@ class Worker:
                 self.scheduler.add(gen)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # the thread ends here: say why, and leave nobody waiting
+            self.failure = f"{type(e).__name__}: {e}"
+            log.critical("%s stopped serving: %s", self.name, self.failure, exc_info=not isinstance(e, WorkerBroken))
+            self._fail_everything()
+            if self.on_failure is not None:
+                self.on_failure(self)
+
+    def _serve(self) -> None:
         if self.threads is not None:
             torch.set_num_threads(self.threads)
+        failed_steps = 0
         while not self._stopping:
+            self._take_submissions()
+            if not self.scheduler.has_work():
+                continue
             try:
-                self._take_submissions()
-                if not self.scheduler.has_work():
-                    continue
                 self.scheduler.step()
-            except EngineError as e:  # e.g. a sequence past the context: the request's fault, said plainly
-                for gen in self.scheduler.fail_all():
-                    gen.emit(GenerationFailed(400, str(e)))
-            except Exception:
-                log.exception("a batch step failed; failing its generations")
-                for gen in self.scheduler.fail_all():
-                    gen.emit(GenerationFailed(500, "internal error while generating"))
+                failed_steps = 0
+            except Exception as e:
+                failed_steps += 1
+                if isinstance(e, EngineError):  # a message meant for the user, said plainly
+                    count = self.scheduler.fail_step(400, str(e))
+                else:
+                    count = self.scheduler.fail_step(500, "internal error while generating")
+                log.error("a batch step failed (%d in a row); failed its %d requests", failed_steps, count,
+                          exc_info=e)
+                if failed_steps >= MAX_FAILED_STEPS:
+                    raise WorkerBroken(f"{failed_steps} steps failed in a row; last: {type(e).__name__}: {e}") from e
+
+    def _fail_everything(self) -> None:
+        """Fail the generations held and those still in the inbox (submissions race with the failure)."""
+        message = "the worker failed; the server is restarting"
+        try:
+            self.scheduler.fail_all(500, message)
+        except BaseException:  # the scheduler itself may be what broke
+            log.exception("%s: could not fail its held generations cleanly", self.name)
+        while True:
+            try:
+                gen = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if gen is not None:
+                gen.emit(GenerationFailed(500, message))
 
 
 class WorkerPool:
@@ -104,12 +150,22 @@ class WorkerPool:
         for w in self.workers:
             w.stop()
 
+    @property
+    def failure(self) -> str | None:
+        """Why a worker stopped serving (the first one's), or None while all serve."""
+        return next((w.failure for w in self.workers if w.failure is not None), None)
+
     def submit(self, gen: Generation) -> None:
+        if self.failure is not None:
+            raise APIError(503, "the server cannot generate (a worker failed) and is restarting; retry shortly",
+                           code="worker_failed", headers={"Retry-After": RETRY_AFTER_S})
         worker = min(self.workers, key=lambda w: w.load)
         if worker.queued >= self.max_queued:
             raise APIError(429, f"the server is busy: {worker.queued} requests are waiting; retry shortly",
                            code="queue_full", headers={"Retry-After": RETRY_AFTER_S})
         worker.submit(gen)
+        if worker.failure is not None:  # it failed as this was sent: its inbox may have been emptied already
+            gen.emit(GenerationFailed(500, "the worker failed; the server is restarting"))
 
     @property
     def running(self) -> int:

@@ -2,18 +2,15 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-
-from engine import load_runner  # noqa: E402
-from engine.kv_cache import kv_bytes_per_token  # noqa: E402
-from server.generation import ChoiceDelta, Generation, GenerationDone  # noqa: E402
-from server.sampling import SamplingParams  # noqa: E402
-from server.scheduler import Scheduler  # noqa: E402
+from engine import load_runner
+from engine.kv_cache import kv_bytes_per_token
+from server.generation import ChoiceDelta, Generation, GenerationDone
+from server.sampling import SamplingParams
+from server.scheduler import Scheduler
 
 PROMPTS = [[5 + i, 40 + 3 * i, 77, 12 + i] * (3 + i % 3) for i in range(6)]
 MAX_TOKENS = 24
@@ -37,8 +34,8 @@ def _run(runner, prompts: list[list[int]], **scheduler_args) -> tuple[list[list[
         out = []
         for g in gens:
             tokens, done = [], False
-            while not g.events.empty():
-                event = g.events.get_nowait()
+            while not g.channel.empty():
+                _, event = g.channel.get_nowait()
                 if isinstance(event, ChoiceDelta):
                     tokens += event.tokens
                 done = done or isinstance(event, GenerationDone)
@@ -143,7 +140,7 @@ def test_a_worker_steps_on_its_share_of_the_cpu_threads(tiny_path: Path) -> None
         worker.start()
         gen = Generation(prompt_ids=PROMPTS[0], params=SamplingParams(temperature=0), max_tokens=3, ignore_eos=True)
         worker.submit(gen)
-        while not isinstance(await asyncio.wait_for(gen.events.get(), 30), GenerationDone):
+        while not isinstance((await asyncio.wait_for(gen.channel.get(), 30))[1], GenerationDone):
             pass
         worker.stop()
 
@@ -153,3 +150,204 @@ def test_a_worker_steps_on_its_share_of_the_cpu_threads(tiny_path: Path) -> None
         torch.set_num_threads(before)  # the worker's setting is also torch's default for new threads
     assert len(seen) == 3 and set(seen) == {1}
     assert torch.get_num_threads() == before
+
+
+# ---------------------------------------------------------------------------------------------------
+# faults stay with their request; forks, the running cap and the token budget (issue 12)
+
+
+def _events(gen: Generation) -> list:
+    out = []
+    while not gen.channel.empty():
+        owner, event = gen.channel.get_nowait()
+        assert owner is gen
+        out.append(event)
+    return out
+
+
+def _choices(events: list, n: int) -> list[list[int]]:
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    for e in events:
+        if isinstance(e, ChoiceDelta):
+            tokens[e.index] += e.tokens
+    return tokens
+
+
+def _drive(sched: Scheduler, max_steps: int = 3000, each_step=None) -> None:
+    for _ in range(max_steps):
+        if not sched.has_work():
+            return
+        sched.step()
+        if each_step is not None:
+            each_step(sched)
+    raise AssertionError("the scheduler did not finish")
+
+
+def _greedy(prompt: list[int], max_tokens: int = MAX_TOKENS, **kw) -> Generation:
+    return Generation(prompt_ids=prompt, params=SamplingParams(temperature=0), max_tokens=max_tokens,
+                      ignore_eos=True, **kw)
+
+
+def test_a_row_past_the_context_fails_only_its_own_request(tiny_path: Path) -> None:
+    """A sequence that outgrows the context (here: a generation let past the serving layer's check) gets a 400;
+    the requests sharing its steps finish with exactly what they get alone."""
+    from server.generation import GenerationFailed
+
+    runner = load_runner(tiny_path, dtype="float32", max_context=64)
+    alone = [_run(runner, [p])[0][0] for p in PROMPTS[:3]]
+
+    async def main():
+        sched = Scheduler(runner)
+        ok = [_greedy(p) for p in PROMPTS[:3]]
+        bad = _greedy(PROMPTS[3], max_tokens=64)  # 16 + 64 tokens > 64
+        for g in ok[:1] + [bad] + ok[1:]:
+            sched.add(g)
+        _drive(sched)
+        await asyncio.sleep(0)
+        failed = [e for e in _events(bad) if isinstance(e, GenerationFailed)]
+        assert len(failed) == 1 and failed[0].status == 400 and failed[0].code == "context_length_exceeded"
+        assert "exceeds the context size of 64" in failed[0].message
+        for g, expected in zip(ok, alone):
+            events = _events(g)
+            assert isinstance(events[-1], GenerationDone)
+            assert _choices(events, 1)[0] == expected
+        assert runner.blocks.num_used == 0
+
+    asyncio.run(main())
+
+
+def test_a_crashed_step_fails_only_the_requests_in_it(tiny_path: Path) -> None:
+    """fail_step after a crash: the step's generations get the error; a waiting one is untouched and finishes."""
+    from server.generation import GenerationFailed
+
+    runner = load_runner(tiny_path, dtype="float32")
+    expected = _run(runner, [PROMPTS[2]])[0][0]
+
+    async def main():
+        sched = Scheduler(runner, max_running=2)
+        first, second, third = (_greedy(p) for p in PROMPTS[:3])
+        for g in (first, second, third):
+            sched.add(g)
+        real = runner.step
+        runner.step = lambda rows: (_ for _ in ()).throw(RuntimeError("boom"))
+        with pytest.raises(RuntimeError):
+            sched.step()
+        assert sched.fail_step(500, "internal error") == 2  # first and second ran in it; third waited
+        runner.step = real
+        _drive(sched)
+        await asyncio.sleep(0)
+        for g in (first, second):
+            assert [type(e) for e in _events(g)] == [GenerationFailed]
+        events = _events(third)
+        assert isinstance(events[-1], GenerationDone) and _choices(events, 1)[0] == expected
+        assert runner.blocks.num_used == 0
+
+    asyncio.run(main())
+
+
+def test_forked_choices_on_a_full_pool_preempt_rather_than_fail(tiny_path: Path) -> None:
+    """n > 1: the choices share the prompt's partial last block, and each one's first write copies it. The copy
+    is counted when blocks are checked, so a nearly full pool preempts (or waits) instead of raising."""
+    base = load_runner(tiny_path, dtype="float32")
+    per_token = kv_bytes_per_token(base.config, base.dtype)
+    prompt = PROMPTS[1][:18]  # 2 blocks, the second partial
+    alone = _run(base, [prompt])[0][0]
+
+    async def main():
+        runner = load_runner(tiny_path, dtype="float32", kv_cache_memory=per_token * 16 * 5, prefix_caching=False)
+        sched = Scheduler(runner, max_batched_tokens=64)
+        gen = Generation(prompt_ids=prompt, params=SamplingParams(temperature=0), max_tokens=MAX_TOKENS,
+                         ignore_eos=True, n=4)
+        sched.add(gen)
+        _drive(sched)
+        await asyncio.sleep(0)
+        events = _events(gen)
+        assert isinstance(events[-1], GenerationDone), events[-1]
+        assert _choices(events, 4) == [alone] * 4
+        assert sched.preemptions > 0  # 4 choices x 3 blocks do not fit in 5 blocks
+        assert runner.blocks.num_used == 0
+
+    asyncio.run(main())
+
+
+def test_forked_choices_count_against_max_running(tiny_path: Path) -> None:
+    runner = load_runner(tiny_path, dtype="float32")
+    alone = _run(runner, [PROMPTS[0]])[0][0]
+    seen: list[int] = []
+
+    async def main():
+        sched = Scheduler(runner, max_running=3)
+        gens = [Generation(prompt_ids=PROMPTS[0], params=SamplingParams(temperature=0), max_tokens=MAX_TOKENS,
+                           ignore_eos=True, n=5), _greedy(PROMPTS[1])]
+        for g in gens:
+            sched.add(g)
+        _drive(sched, each_step=lambda s: seen.append(len(s.running)))
+        await asyncio.sleep(0)
+        events = _events(gens[0])
+        assert isinstance(events[-1], GenerationDone) and _choices(events, 5) == [alone] * 5
+        assert isinstance(_events(gens[1])[-1], GenerationDone)
+        assert runner.blocks.num_used == 0
+
+    asyncio.run(main())
+    assert max(seen) == 3, seen
+
+
+def test_a_token_budget_below_the_batch_serves_every_sequence_in_turn(tiny_path: Path) -> None:
+    """--max-batched-tokens 2 with 5 decoding sequences: each step decodes 2 of them, round robin, so none
+    starves (before: the first two ran to the end while the rest waited)."""
+    runner = load_runner(tiny_path, dtype="float32")
+    alone = [_run(runner, [p])[0][0] for p in PROMPTS[:5]]
+    progress: list[list[int]] = []
+
+    async def main():
+        sched = Scheduler(runner, max_batched_tokens=2, max_running=8)
+        gens = [_greedy(p[:2]) for p in PROMPTS[:5]]
+        for g in gens:
+            sched.add(g)
+
+        def record(s: Scheduler) -> None:
+            progress.append([len(u.kv.tokens) for u in sorted(s.running, key=lambda u: gens.index(u.gen))])
+
+        _drive(sched, each_step=record)
+        await asyncio.sleep(0)
+        for g in gens:
+            assert isinstance(_events(g)[-1], GenerationDone)
+
+    asyncio.run(main())
+    # once all five decode, every one of them advances within any 3 consecutive steps
+    full = [i for i, p in enumerate(progress) if len(p) == 5]
+    assert len(full) > 10
+    for a, b in zip(full, full[3:]):
+        if b - a == 3:
+            assert all(y > x for x, y in zip(progress[a], progress[b])), (progress[a], progress[b])
+    del alone
+
+
+def test_echo_logprobs_cover_every_prompt_token_whatever_the_chunking(tiny_path: Path) -> None:
+    """Prompt logprobs with the prompt prefilled in chunks of 7: one entry per prompt token, the first None, each
+    the log-softmax of the logits after the tokens before it (the whole prompt in one pass as reference)."""
+    import torch
+
+    from server.generation import PromptLogprobs
+
+    runner = load_runner(tiny_path, dtype="float32")
+    prompt = [t for p in PROMPTS for t in p][:61]
+    reference = torch.log_softmax(runner.predict_logits(prompt).float(), -1)
+
+    async def main():
+        for budget in (7, 16, 512):
+            sched = Scheduler(runner, max_batched_tokens=budget)
+            gen = Generation(prompt_ids=prompt, params=SamplingParams(temperature=0), max_tokens=1,
+                             ignore_eos=True, prompt_logprobs=2)
+            sched.add(gen)
+            _drive(sched)
+            await asyncio.sleep(0)
+            entries = next(e for e in _events(gen) if isinstance(e, PromptLogprobs)).entries
+            assert len(entries) == len(prompt) and entries[0] is None
+            for i, entry in enumerate(entries[1:], 1):
+                assert entry.token == prompt[i]
+                assert abs(entry.logprob - reference[i - 1, prompt[i]].item()) < 1e-4, (budget, i)
+                top = reference[i - 1].topk(2)
+                assert [t for t, _ in entry.top] == top.indices.tolist()
+
+    asyncio.run(main())
