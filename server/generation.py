@@ -27,6 +27,7 @@ class ChoiceDelta:
     tokens: list[int]
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
+    at: float = field(default_factory=time.perf_counter)  # when the worker made these tokens (latency metrics)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class GenerationDone:
 class GenerationFailed:
     status: int
     message: str
+    code: str | None = None
 
 
 Event = ChoiceDelta | PromptLogprobs | GenerationDone | GenerationFailed
@@ -54,7 +56,11 @@ Event = ChoiceDelta | PromptLogprobs | GenerationDone | GenerationFailed
 
 @dataclass(eq=False)  # identity: the scheduler keys its state by Generation
 class Generation:
-    """Prompt ids, `n` choices with shared parameters, and a thread-safe channel back to the asyncio side."""
+    """Prompt ids, `n` choices with shared parameters, and a thread-safe channel back to the asyncio side.
+
+    The generations of one request (one per prompt) share one `channel`, so that the serving layer reads all of
+    them as they come: each item is (generation, event).
+    """
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -66,14 +72,17 @@ class Generation:
     ignore_eos: bool = False
     prompt_logprobs: int | None = None  # top-N for echoed prompt tokens; None: not wanted
     request_id: str = ""
+    prompt_index: int = 0               # which prompt of its request this is
+    # Undelivered events past which the worker pauses this generation (a client that stops reading); None: never.
+    max_backlog: int | None = None
     arrival: float = field(default_factory=time.perf_counter)  # when the request came in, for the latency metrics
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
-    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    channel: asyncio.Queue[tuple[Generation, Event]] = field(default_factory=asyncio.Queue)
     _cancelled: threading.Event = field(default_factory=threading.Event)
 
     def emit(self, event: Event) -> None:
         """Send an event to the asyncio side; safe to call from the worker thread."""
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        self.loop.call_soon_threadsafe(self.channel.put_nowait, (self, event))
 
     def cancel(self) -> None:
         """Ask the worker to stop this generation at its next token (idempotent, any thread)."""
@@ -83,10 +92,16 @@ class Generation:
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
 
+    @property
+    def backlogged(self) -> bool:
+        """Whether the reader is so far behind that the worker should not make more tokens for now (any thread:
+        a deque's length is read atomically)."""
+        return self.max_backlog is not None and self.channel.qsize() >= self.max_backlog
+
 
 def _deliver(batch: list[tuple[Generation, Event]]) -> None:
     for gen, event in batch:
-        gen.events.put_nowait(event)
+        gen.channel.put_nowait((gen, event))
 
 
 class EventBatch:

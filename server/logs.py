@@ -21,6 +21,19 @@ class _RequestIdFilter(logging.Filter):
         return True
 
 
+class _CutStreamFilter(logging.Filter):
+    """uvicorn reports a response that never completed as an error; ours are streams cut for a client that stopped
+    reading (server/sse.py logs that at info), the expected end of such a stream: this says so at info level."""
+
+    MESSAGE = "ASGI callable returned without completing response."
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.ERROR and record.msg == self.MESSAGE:
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.msg = "closed a stream that was cut for a client that stopped reading"
+        return True
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: time, level, logger, message, request id, and a request log's fields."""
 
@@ -61,5 +74,7 @@ def configure_logging(level: str, fmt: str) -> None:
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         logging.getLogger(name).handlers[:] = []
         logging.getLogger(name).propagate = True
+    if not any(isinstance(f, _CutStreamFilter) for f in logging.getLogger("uvicorn.error").filters):
+        logging.getLogger("uvicorn.error").addFilter(_CutStreamFilter())
     # emberserve.access writes one line per request with more in it than uvicorn's access line.
     logging.getLogger("uvicorn.access").disabled = True

@@ -1,7 +1,7 @@
 """Prometheus metrics for GET /metrics, named as vLLM names them (`emberserve:` for `vllm:`) so dashboards carry over.
 
 The request metrics count sequences: each choice of each prompt is one, as vLLM counts the children of a request
-with n > 1. Times are taken on the event loop as the serving layer hands each event on, from the request's arrival;
+with n > 1. Token times are when the worker made the tokens (each event carries it), from the request's arrival;
 running and waiting requests, KV blocks and prefix-cache figures are read from the worker pool at scrape time.
 """
 from __future__ import annotations
@@ -124,7 +124,7 @@ class GenerationTrack:
             self.failed = True
         if not isinstance(event, ChoiceDelta):
             return
-        now = time.perf_counter()
+        now = event.at  # when the worker made the tokens, not when this reader got to them
         if not self.prefilled:  # the first delta comes once the prompt is computed
             self.prefilled = True
             self.metrics.prompt_tokens.inc(self.prompt_len)

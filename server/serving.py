@@ -6,6 +6,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 
@@ -22,6 +23,9 @@ from .worker import WorkerPool
 
 log = logging.getLogger("emberserve.serving")
 DISCONNECT_POLL_S = 0.2
+# Events a stream's reader may be behind, per choice, before the worker pauses its generation: a client that stops
+# reading holds its blocks but costs no more compute, until the stream's send timeout cuts it.
+STREAM_BACKLOG_PER_CHOICE = 256
 
 
 @dataclass
@@ -34,6 +38,7 @@ class ModelState:
     fingerprint: str
     created: int
     max_prompt_tokens: int | None = None  # the operator's cap on prompt length, below the context
+    stream_timeout: float | None = None   # seconds a stream waits for a client that stopped reading, then is cut
 
 
 def check_model(state: ModelState, name: str) -> None:
@@ -52,6 +57,12 @@ def check_token_ids(ids: Iterable[int], vocab_size: int, param: str) -> None:
 
 def request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def cancel(gens: Iterable[Generation]) -> None:
+    """Ask the worker to drop these generations (idempotent)."""
+    for gen in gens:
+        gen.cancel()
 
 
 class OpenAIServing:
@@ -112,7 +123,9 @@ class OpenAIServing:
         return requested
 
     def new_generation(self, req: OpenAIRequest, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
-                       rid: str, arrival: float, prompt_logprobs: int | None = None) -> Generation:
+                       rid: str, arrival: float, prompt_logprobs: int | None = None, *, index: int = 0,
+                       channel: asyncio.Queue[Any] | None = None) -> Generation:
+        """The Generation for one prompt of `req`; the prompts of one request share `channel` (see `events`)."""
         param = "messages" if hasattr(req, "messages") else "prompt"
         if not prompt_ids:
             raise invalid("the prompt is empty: at least one token is needed", param=param)
@@ -123,10 +136,12 @@ class OpenAIServing:
         if req.min_tokens > max_tokens:
             raise invalid(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})",
                           param="min_tokens")
+        extra = {} if channel is None else {"channel": channel}
         return Generation(prompt_ids=prompt_ids, params=params, max_tokens=max_tokens, n=req.n, stop=req.stop,
                           stop_token_ids=self.tokenizer.end_token_ids, min_tokens=req.min_tokens,
                           ignore_eos=req.ignore_eos, prompt_logprobs=prompt_logprobs, request_id=rid,
-                          arrival=arrival)
+                          prompt_index=index, arrival=arrival,
+                          max_backlog=STREAM_BACKLOG_PER_CHOICE * req.n if req.stream else None, **extra)
 
     def submit(self, gens: list[Generation]) -> None:
         """Queue the generations (429 when the queue is full); on failure none of them stays queued."""
@@ -134,44 +149,52 @@ class OpenAIServing:
             for gen in gens:
                 self.state.pool.submit(gen)
         except APIError:
-            for gen in gens:
-                gen.cancel()
+            cancel(gens)
             raise
 
-    async def events(self, gen: Generation, request: Request | None = None) -> AsyncIterator[Event]:
-        """Yield a submitted generation's events until done; leaving early (disconnect, error) cancels it.
+    async def events(self, gens: list[Generation],
+                     request: Request | None = None) -> AsyncIterator[tuple[Generation, Event]]:
+        """Yield the events of a request's submitted generations as they come, until all are done.
 
-        With `request` given, a client that goes away is noticed while waiting, for non-streaming responses.
+        Leaving early (a disconnect, an error, the caller closing this iterator) cancels every one of them. With
+        `request` given, a client that goes away is noticed while waiting, for non-streaming responses. Read it
+        inside `contextlib.aclosing` so that the cancellation runs as soon as the caller stops.
         """
         loop = asyncio.get_running_loop()
         next_poll = loop.time() + DISCONNECT_POLL_S
-        track = self.metrics.track(gen, current_request())
+        channel = gens[0].channel
+        record = current_request()
+        tracks = {gen: self.metrics.track(gen, record) for gen in gens}
+        open_gens = set(gens)
         try:
-            while True:
+            while open_gens:
                 if request is None:
-                    event = await gen.events.get()
+                    item = await channel.get()
                 else:
                     # Poll on a clock, not only when idle: a busy generation sends events faster than the poll.
                     try:
-                        event = await asyncio.wait_for(gen.events.get(), max(0.0, next_poll - loop.time()))
+                        item = await asyncio.wait_for(channel.get(), max(0.0, next_poll - loop.time()))
                     except TimeoutError:
-                        event = None
+                        item = None
                     if loop.time() >= next_poll:
                         next_poll = loop.time() + DISCONNECT_POLL_S
                         if await request.is_disconnected():
-                            log.info("client went away: cancelling %s", gen.request_id)
+                            log.info("client went away: cancelling %s", gens[0].request_id)
                             return
-                    if event is None:
+                    if item is None:
                         continue
-                track.observe(event)
+                gen, event = item
+                tracks[gen].observe(event)
                 if isinstance(event, GenerationFailed):
-                    raise APIError(event.status, event.message, type="server_error" if event.status >= 500 else None)
-                yield event
+                    raise APIError(event.status, event.message, code=event.code,
+                                   type="server_error" if event.status >= 500 else None)
+                yield gen, event
                 if isinstance(event, GenerationDone):
-                    return
+                    open_gens.discard(gen)
         finally:
-            track.close()
-            gen.cancel()
+            for track in tracks.values():
+                track.close()
+            cancel(gens)
 
     def stream_error(self, error: APIError) -> str:
         """A failure after the stream started, counted (the error handlers never see it) and as its SSE event."""

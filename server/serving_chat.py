@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from fastapi import Request
@@ -13,7 +14,7 @@ from .errors import APIError, invalid
 from .generation import ChoiceDelta, Generation, GenerationDone, TokenLogprob
 from .protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ResponseMessage,
                        TokenLogprob as TokenLogprobModel)
-from .serving import OpenAIServing, request_id
+from .serving import OpenAIServing, cancel, request_id
 from .sse import DONE, event_json, sse_response
 
 
@@ -39,7 +40,8 @@ class ChatServing(OpenAIServing):
         self.submit([gen])
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return sse_response(self._stream(gen, req.model, include_usage))
+            return sse_response(self._stream(gen, req.model, include_usage), on_close=lambda: cancel([gen]),
+                                send_timeout=self.state.stream_timeout)
         return await self._complete(gen, req, request)
 
     def _render(self, req: ChatCompletionRequest) -> list[int]:
@@ -62,13 +64,14 @@ class ChatServing(OpenAIServing):
         finish: list[str | None] = [None] * gen.n
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(gen.n)]
         usage = None
-        async for event in self.events(gen, request):
-            if isinstance(event, ChoiceDelta):
-                texts[event.index] += event.text
-                logprobs[event.index] += event.logprobs or []
-                finish[event.index] = event.finish_reason or finish[event.index]
-            elif isinstance(event, GenerationDone):
-                usage = self.usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
+        async with aclosing(self.events([gen], request)) as events:
+            async for _, event in events:
+                if isinstance(event, ChoiceDelta):
+                    texts[event.index] += event.text
+                    logprobs[event.index] += event.logprobs or []
+                    finish[event.index] = event.finish_reason or finish[event.index]
+                elif isinstance(event, GenerationDone):
+                    usage = self.usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
         if usage is None:  # the client went away; nobody reads this
             raise APIError(499, "client closed request")
         choices = [ChatChoice(index=i, message=ResponseMessage(content=texts[i]), finish_reason=finish[i],
@@ -97,20 +100,22 @@ class ChatServing(OpenAIServing):
 
         pending: list[list[TokenLogprob]] = [[] for _ in range(gen.n)]
         try:
-            for i in range(gen.n):
-                yield chunk([choice(i, {"role": "assistant", "content": ""})])
-            async for event in self.events(gen):
-                if isinstance(event, ChoiceDelta):
-                    i = event.index
-                    pending[i] += event.logprobs or []
-                    if event.text:
-                        yield chunk([choice(i, {"content": event.text}, pending[i])])
-                        pending[i] = []
-                    if event.finish_reason is not None:
-                        yield chunk([choice(i, {}, pending[i] if pending[i] else None, event.finish_reason)])
-                elif isinstance(event, GenerationDone) and include_usage:
-                    usage = self.usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens).model_dump()
-                    yield chunk([], usage, last=True)
+            async with aclosing(self.events([gen])) as events:
+                for i in range(gen.n):
+                    yield chunk([choice(i, {"role": "assistant", "content": ""})])
+                async for _, event in events:
+                    if isinstance(event, ChoiceDelta):
+                        i = event.index
+                        pending[i] += event.logprobs or []
+                        if event.text:
+                            yield chunk([choice(i, {"content": event.text}, pending[i])])
+                            pending[i] = []
+                        if event.finish_reason is not None:
+                            yield chunk([choice(i, {}, pending[i] if pending[i] else None, event.finish_reason)])
+                    elif isinstance(event, GenerationDone) and include_usage:
+                        usage = self.usage(event.prompt_tokens, event.completion_tokens,
+                                           event.cached_tokens).model_dump()
+                        yield chunk([], usage, last=True)
         except APIError as e:
             yield self.stream_error(e)
         yield DONE

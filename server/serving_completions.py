@@ -1,8 +1,10 @@
 """POST /v1/completions: prompts (text or token ids) → Generations → a text_completion or its SSE chunks."""
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from .errors import APIError, invalid
 from .generation import ChoiceDelta, Generation, GenerationDone, PromptLogprobs, TokenLogprob
 from .protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
-from .serving import OpenAIServing, check_token_ids, request_id
+from .serving import OpenAIServing, cancel, check_token_ids, request_id
 from .sse import DONE, event_json, sse_response
 
 
@@ -64,13 +66,16 @@ class CompletionServing(OpenAIServing):
         top_n = req.logprobs
         params = self.sampling_params(req, top_n is not None, top_n or 0)
         rid = request_id("cmpl")
+        channel: asyncio.Queue[Any] = asyncio.Queue()  # every prompt's events, as they come
         gens = [self.new_generation(req, p.ids, params, self.max_tokens(len(p.ids), req.max_tokens), rid, arrival,
-                                    prompt_logprobs=top_n if req.echo and top_n is not None else None)
-                for p in prompts]
+                                    prompt_logprobs=top_n if req.echo and top_n is not None else None,
+                                    index=i, channel=channel)
+                for i, p in enumerate(prompts)]
         self.submit(gens)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return sse_response(self._stream(gens, prompts, req, include_usage))
+            return sse_response(self._stream(gens, prompts, req, include_usage), on_close=lambda: cancel(gens),
+                                send_timeout=self.state.stream_timeout)
         return await self._complete(gens, prompts, req, request)
 
     def _prompts(self, req: CompletionRequest) -> list[_Prompt]:
@@ -102,41 +107,45 @@ class CompletionServing(OpenAIServing):
 
     async def _complete(self, gens: list[Generation], prompts: list[_Prompt], req: CompletionRequest,
                         request: Request) -> CompletionResponse:
-        choices: list[CompletionChoice] = []
-        prompt_tokens = completion_tokens = cached_tokens = 0
-        for gen, prompt in zip(gens, prompts):
-            # Echo without logprobs needs no prompt pass: the prompt text opens each choice directly.
-            texts = [self._choice_start(prompt, req.echo and gen.prompt_logprobs is None, None, None)] * gen.n
-            finish: list[str | None] = [None] * gen.n
-            builders = [_LogprobsBuilder(self) for _ in range(gen.n)] if req.logprobs is not None else None
-            done = False
-            async for event in self.events(gen, request):
+        n = req.n  # choice index = prompt index * n + the prompt's own choice index
+        # Echo without logprobs needs no prompt pass: the prompt text opens each choice directly.
+        texts = [self._choice_start(p, req.echo and gen.prompt_logprobs is None, None, None)
+                 for gen, p in zip(gens, prompts) for _ in range(n)]
+        finish: list[str | None] = [None] * len(texts)
+        builders = [_LogprobsBuilder(self) for _ in texts] if req.logprobs is not None else None
+        prompt_tokens = completion_tokens = cached_tokens = done = 0
+        async with aclosing(self.events(gens, request)) as events:
+            async for gen, event in events:
+                base = gen.prompt_index * n
                 if isinstance(event, PromptLogprobs):
-                    for i in range(gen.n):
-                        texts[i] = self._choice_start(prompt, True, builders[i] if builders else None, event.entries)
+                    for i in range(base, base + n):
+                        texts[i] = self._choice_start(prompts[gen.prompt_index], True,
+                                                      builders[i] if builders else None, event.entries)
                 elif isinstance(event, ChoiceDelta):
-                    texts[event.index] += event.text
+                    i = base + event.index
+                    texts[i] += event.text
                     if builders:
                         for entry in event.logprobs or []:
-                            builders[event.index].add(entry, entry.token)
-                    finish[event.index] = event.finish_reason or finish[event.index]
+                            builders[i].add(entry, entry.token)
+                    finish[i] = event.finish_reason or finish[i]
                 elif isinstance(event, GenerationDone):
                     prompt_tokens += event.prompt_tokens
                     completion_tokens += event.completion_tokens
                     cached_tokens += event.cached_tokens
-                    done = True
-            if not done:
-                raise APIError(499, "client closed request")
-            base = len(choices)
-            choices += [CompletionChoice(index=base + i, text=texts[i], finish_reason=finish[i],
-                                         logprobs=builders[i].take() if builders else None) for i in range(gen.n)]
+                    done += 1
+        if done < len(gens):  # the client went away; nobody reads this
+            raise APIError(499, "client closed request")
+        choices = [CompletionChoice(index=i, text=texts[i], finish_reason=finish[i],
+                                    logprobs=builders[i].take() if builders else None) for i in range(len(texts))]
         return CompletionResponse(id=gens[0].request_id, model=req.model, choices=choices,
                                   usage=self.usage(prompt_tokens, completion_tokens, cached_tokens),
                                   system_fingerprint=self.state.fingerprint)
 
     async def _stream(self, gens: list[Generation], prompts: list[_Prompt], req: CompletionRequest,
                       include_usage: bool) -> AsyncIterator[str]:
+        """Every prompt's choices interleaved as their tokens come, each chunk carrying one choice."""
         created = int(time.time())
+        n = req.n
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
             body: dict[str, Any] = {"id": gens[0].request_id, "object": "text_completion", "created": created,
@@ -150,19 +159,22 @@ class CompletionServing(OpenAIServing):
             lp = builder.take().model_dump() if builder is not None else None
             return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
 
-        prompt_tokens = completion_tokens = cached_tokens = base = 0
+        total = len(gens) * n
+        builders = [_LogprobsBuilder(self) for _ in range(total)] if req.logprobs is not None else None
+        started = [False] * total
+        prompt_tokens = completion_tokens = cached_tokens = 0
         try:
-            for gen, prompt in zip(gens, prompts):
-                builders = [_LogprobsBuilder(self) for _ in range(gen.n)] if req.logprobs is not None else None
-                started = [False] * gen.n
-                async for event in self.events(gen):
+            async with aclosing(self.events(gens)) as events:
+                async for gen, event in events:
+                    base, prompt = gen.prompt_index * n, prompts[gen.prompt_index]
                     if isinstance(event, PromptLogprobs):
-                        for i in range(gen.n):
+                        for i in range(base, base + n):
                             b = builders[i] if builders else None
-                            yield chunk([choice(base + i, self._choice_start(prompt, True, b, event.entries), b)])
+                            yield chunk([choice(i, self._choice_start(prompt, True, b, event.entries), b)])
                             started[i] = True
                     elif isinstance(event, ChoiceDelta):
-                        i, b = event.index, builders[event.index] if builders else None
+                        i = base + event.index
+                        b = builders[i] if builders else None
                         text = event.text
                         if not started[i]:
                             text, started[i] = self._choice_start(prompt, req.echo, None, None) + text, True
@@ -170,14 +182,13 @@ class CompletionServing(OpenAIServing):
                             for entry in event.logprobs or []:
                                 b.add(entry, entry.token)
                         if text or (b is not None and b.tokens):
-                            yield chunk([choice(base + i, text, b)])
+                            yield chunk([choice(i, text, b)])
                         if event.finish_reason is not None:
-                            yield chunk([choice(base + i, "", None, event.finish_reason)])
+                            yield chunk([choice(i, "", None, event.finish_reason)])
                     elif isinstance(event, GenerationDone):
                         prompt_tokens += event.prompt_tokens
                         completion_tokens += event.completion_tokens
                         cached_tokens += event.cached_tokens
-                base += gen.n
             if include_usage:
                 yield chunk([], self.usage(prompt_tokens, completion_tokens, cached_tokens).model_dump())
         except APIError as e:

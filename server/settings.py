@@ -71,6 +71,9 @@ class Settings(BaseSettings):
                           "needs `Authorization: Bearer <key>`")
     allowed_origins: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="comma-separated origins allowed by CORS, or * (default: CORS off)")
+    stream_timeout: float = Field(
+        30.0, gt=0, description="seconds a stream may wait on a client that stopped reading before it is cut and "
+                                "its generation cancelled")
     shutdown_grace: float = Field(
         30.0, ge=0, description="seconds a SIGTERM waits for in-flight requests before exiting")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
