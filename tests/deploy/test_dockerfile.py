@@ -32,9 +32,7 @@ import pytest
 from engine.registry import DEFAULT_MODEL, KNOWN_MODELS
 from server.settings import DEFAULT_PORT
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-
-from server_process import ServerProcess, free_port, stop_server, wait_ready  # noqa: E402
+from server_process import ServerProcess, free_port, stop_server, wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"

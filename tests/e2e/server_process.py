@@ -33,12 +33,13 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")
 
 
-def start_server(tmp: Path, *args: str, wait: bool = True, env: dict[str, str] | None = None) -> ServerProcess:
-    """Start `python -m server serve` on a free port (`env` added to the environment); with `wait`, return once
-    /health answers 200."""
+def start_server(tmp: Path, *args: str, wait: bool = True, env: dict[str, str] | None = None,
+                 entry: tuple[str, ...] = ("-m", "server")) -> ServerProcess:
+    """Start `python -m server serve` (or `python *entry serve`) on a free port (`env` added to the environment);
+    with `wait`, return once /health answers 200."""
     port = free_port()
     log_path = tmp / f"server-{port}.log"
-    cmd = [sys.executable, "-m", "server", "serve", "--port", str(port), *args]
+    cmd = [sys.executable, *entry, "serve", "--port", str(port), *args]
     proc = subprocess.Popen(cmd, stdout=log_path.open("wb"), stderr=subprocess.STDOUT,
                             cwd=Path(__file__).resolve().parents[2], env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     server = ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)

@@ -391,6 +391,25 @@ def test_echo(client: openai.OpenAI, ref: Reference, tokenizer) -> None:
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 3
 
 
+def test_echo_logprobs_of_a_long_prompt(client: openai.OpenAI, ref: Reference, tokenizer) -> None:
+    """A 1,090-token prompt (prefilled in chunks of 512), scored the way lm-evaluation-harness does: every prompt
+    token gets its logprob, the first None; the same again when the prompt's prefix is cached (prompt logprobs are
+    computed, not skipped, for cached prefixes)."""
+    text = " ".join(f"item {i} of the list is {i * 7 % 13}." for i in range(110))
+    ids = tokenizer.encode(text)[:1090]
+    assert len(ids) == 1090
+    logp = torch.log_softmax(ref.runner.predict_logits(ids).float(), -1)
+    for attempt in ("cold", "cached"):
+        r = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0, echo=True, logprobs=1)
+        lp = r.choices[0].logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(ids) + 1, attempt
+        assert lp.tokens[:len(ids)] == [ref.tok.token_bytes(t).decode("utf-8", "backslashreplace") for t in ids]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        worst = max(abs(lp.token_logprobs[i] - logp[i - 1, ids[i]].item()) for i in range(1, len(ids)))
+        assert worst < 2e-3, (attempt, worst)
+        assert lp.token_logprobs[len(ids)] == pytest.approx(logp[-1].max().item(), abs=2e-3)  # the greedy token
+
+
 # ---- stream_options, user, unknown fields ----
 
 def test_stream_include_usage(client: openai.OpenAI, ref: Reference) -> None:

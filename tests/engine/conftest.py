@@ -1,13 +1,10 @@
 """Session-wide tiny models (tests/engine/tiny_models.py), built once per test session in a tmp dir."""
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-import tiny_models  # noqa: E402
+import tiny_models
 
 
 class TinyZoo:
