@@ -75,7 +75,8 @@ def _load(settings: Settings) -> ModelState:
              runner.device, threads or torch.get_num_threads(), runner.context_size,
              time.perf_counter() - started)
     return ModelState(model_id=model_id, runner=runner, pool=pool, fingerprint=f"fp_{digest}",
-                      created=int(time.time()), max_prompt_tokens=settings.max_prompt_tokens)
+                      created=int(time.time()), max_prompt_tokens=settings.max_prompt_tokens,
+                      parse_special_in_messages=settings.parse_special_in_messages)
 
 
 async def _in_own_thread(fn: Callable[[], T]) -> T:

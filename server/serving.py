@@ -34,6 +34,7 @@ class ModelState:
     fingerprint: str
     created: int
     max_prompt_tokens: int | None = None  # the operator's cap on prompt length, below the context
+    parse_special_in_messages: bool = False  # trusted callers: special-token text in messages is control tokens
 
 
 def check_model(state: ModelState, name: str) -> None:
