@@ -2,7 +2,8 @@
 
 Special-token text inside the text given to `encode` (say a literal "<|im_end|>") becomes that special token, as
 transformers' tokenizers and llama.cpp's server (`parse_special`) do; `encode(..., parse_special=False)` keeps such
-text literal (transformers' `split_special_tokens=True`), for callers that do not trust the text.
+text literal (transformers' `split_special_tokens=True`), for callers that do not trust the text. In a chat
+(`apply_chat_template`) only the template's own markers become special tokens; the messages' text stays text.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
+from .chat_encoding import SpecialText, encode_rendered
 from .chat_template import ChatTemplate, fallback_chat_template
 from .errors import ModelFormatError, UnsupportedModelError
 
@@ -240,8 +242,10 @@ class Tokenizer:
         added = backend.get_added_tokens_decoder()
         self._added_text = {i: t.content for i, t in added.items()}
         self.special_token_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
+        self._special_by_id = {i: self._added_text[i] for i in self.special_token_ids}
         self._bytes: list[bytes | None] = [None] * self.vocab_size
         self._literal: _Backend | None = None
+        self._special_text: SpecialText | None = None
         self._literal_lock = threading.Lock()
         names = {"bos_token": bos_token_id, "eos_token": eos_token_id, "unk_token": unk_token_id,
                  "pad_token": pad_token_id}
@@ -335,22 +339,44 @@ class Tokenizer:
                 self._literal = literal
             return self._literal
 
+    def _encode_literal(self, text: str) -> list[int]:
+        return self.encode(text, add_special_tokens=False, parse_special=False)
+
+    def _special_text_finder(self) -> SpecialText:
+        """The special tokens' text, to protect chats from (built on first use)."""
+        with self._literal_lock:
+            if self._special_text is None:
+                self._special_text = SpecialText(self._special_by_id.values(), avoid=self._added_text.values())
+            return self._special_text
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tokenize: bool = True, **kwargs: Any) -> list[int] | str:
+                            tokenize: bool = True, *, parse_special_in_messages: bool = False,
+                            **kwargs: Any) -> list[int] | str:
         """The conversation rendered by the chat template, as ids (tokenize=True) or text.
 
-        Rendered special-token text becomes special ids; BOS is added only when the model adds one and the
-        template did not already write it.
+        Special-token text that the template writes becomes special ids; the same text inside the conversation
+        (message contents, names, tool calls, tools, documents) is tokenized as text, so that no message can end
+        its turn or open another. `parse_special_in_messages` makes it special ids too, as llama-server, vLLM and
+        transformers do: for trusted callers only. BOS is added only when the model adds one and the template did
+        not already write it.
         """
-        text = self._chat.render(messages, add_generation_prompt=add_generation_prompt,
-                                 **{**self._template_tokens, **kwargs})
-        if not tokenize:
-            return text
+        variables = {**self._template_tokens, **kwargs}
+        if not tokenize or parse_special_in_messages:
+            text = self._chat.render(messages, add_generation_prompt=add_generation_prompt, **variables)
+            if not tokenize:
+                return text
+            ids = self.backend.encode(text, add_special_tokens=False).ids
+        else:
+            chat = self._special_text_finder().protect(messages, variables, avoid=[self._chat.source])
+            text = self._chat.render(chat.messages, add_generation_prompt=add_generation_prompt, **chat.variables)
+            ids = encode_rendered(text, chat.restore, self.backend, self._encode_literal, self._special_by_id)
         bos_text = self._template_tokens.get("bos_token")
-        return self.encode(text, add_special_tokens=not (bos_text and text.startswith(bos_text)))
+        if self.add_bos_token and not (bos_text and text.startswith(bos_text)):
+            ids.insert(0, self.bos_token_id)
+        return ids
 
     def id_to_token(self, i: int) -> str:
         """The vocabulary's spelling of token `i` ("Ġthe", "▁the", "<0x0A>"); "" for an id outside it."""

@@ -76,7 +76,8 @@ def _load(settings: Settings, on_worker_failure: Callable[[Worker], None]) -> Mo
              time.perf_counter() - started)
     return ModelState(model_id=model_id, runner=runner, pool=pool, fingerprint=f"fp_{digest}",
                       created=int(time.time()), max_prompt_tokens=settings.max_prompt_tokens,
-                      stream_timeout=settings.stream_timeout)
+                      stream_timeout=settings.stream_timeout,
+                      parse_special_in_messages=settings.parse_special_in_messages)
 
 
 async def _in_own_thread(fn: Callable[[], T]) -> T:

@@ -12,7 +12,7 @@ from .protocol import (ChatCompletionRequest, ChatCompletionResponse, Completion
                        DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                        TokenizeResponse)
 from .serving import ModelState, check_model, check_token_ids
-from .serving_chat import ChatServing
+from .serving_chat import ChatServing, chat_prompt_ids
 from .serving_completions import CompletionServing
 
 router = APIRouter()
@@ -93,15 +93,12 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
 @router.post("/tokenize", response_model=TokenizeResponse)
 async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     state = _state_for(request, body.model)
-    tokenizer = state.runner.tokenizer
     if (body.prompt is None) == (body.messages is None):
         raise invalid("give exactly one of prompt or messages", param="prompt")
     if body.messages is not None:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        ids = await run_in_threadpool(tokenizer.apply_chat_template, messages,
-                                      add_generation_prompt=body.add_generation_prompt)
+        ids = await run_in_threadpool(chat_prompt_ids, state, body.messages, body.add_generation_prompt)
     else:
-        ids = await run_in_threadpool(tokenizer.encode, body.prompt, body.add_special_tokens)
+        ids = await run_in_threadpool(state.runner.tokenizer.encode, body.prompt, body.add_special_tokens)
     return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=state.runner.context_size)
 
 

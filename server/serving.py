@@ -39,6 +39,7 @@ class ModelState:
     created: int
     max_prompt_tokens: int | None = None  # the operator's cap on prompt length, below the context
     stream_timeout: float | None = None   # seconds a stream waits for a client that stopped reading, then is cut
+    parse_special_in_messages: bool = False  # trusted callers: special-token text in messages is control tokens
 
 
 def check_model(state: ModelState, name: str) -> None:

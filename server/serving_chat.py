@@ -12,10 +12,22 @@ from starlette.concurrency import run_in_threadpool
 
 from .errors import APIError, invalid
 from .generation import ChoiceDelta, Generation, GenerationDone, TokenLogprob
-from .protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ResponseMessage,
-                       TokenLogprob as TokenLogprobModel)
-from .serving import OpenAIServing, cancel, request_id
+from .protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatMessage,
+                       ResponseMessage, TokenLogprob as TokenLogprobModel)
+from .serving import ModelState, OpenAIServing, cancel, request_id
 from .sse import DONE, event_json, sse_response
+
+
+def chat_prompt_ids(state: ModelState, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    """The prompt ids of a chat: the model's chat template over `messages`, whose text stays text unless the server
+    trusts its callers (`parse_special_in_messages`); a template that rejects the messages is a 400."""
+    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    try:
+        return state.runner.tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt,
+            parse_special_in_messages=state.parse_special_in_messages)
+    except (TemplateError, ValueError, TypeError) as e:
+        raise invalid(f"the model's chat template rejected the messages: {e}", param="messages") from None
 
 
 class ChatServing(OpenAIServing):
@@ -45,11 +57,7 @@ class ChatServing(OpenAIServing):
         return await self._complete(gen, req, request)
 
     def _render(self, req: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
-        except (TemplateError, ValueError, TypeError) as e:
-            raise invalid(f"the model's chat template rejected the messages: {e}", param="messages") from None
+        return chat_prompt_ids(self.state, req.messages, req.add_generation_prompt)
 
     def _logprobs(self, entries: list[TokenLogprob]) -> list[TokenLogprobModel]:
         out = []

@@ -64,6 +64,10 @@ class Settings(BaseSettings):
     prefix_caching: bool = Field(True, description="reuse the KV cache of prompt prefixes seen before")
     max_prompt_tokens: PositiveInt | None = Field(
         None, description="longest prompt accepted, in tokens (default: the context size); longer ones get a 400")
+    parse_special_in_messages: bool = Field(
+        False, description="trusted callers only: special-token text inside chat messages (say a user's own "
+                           "end-of-turn marker) becomes control tokens, as in llama-server and vLLM; off, only the "
+                           "chat template's own markers do and the messages' text stays text")
     max_request_bytes: Bytes = Field(
         8 * 2**20, ge=1, description="largest request body accepted; larger ones get a 413")
     api_key: SecretStr | None = Field(
