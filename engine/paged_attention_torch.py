@@ -3,7 +3,7 @@
 `decode` and `prefill` are the fallback: batched float32 maths over keys gathered through the block tables (a
 copy, unlike the kernels). `decode` stays on the device (lengths are masks, no host sync); `prefill` reads the
 row lengths on the host once and loops over rows. `reference_decode` and `reference_prefill` are the
-straightforward definition the tests check both against: per row and head, in float64.
+straightforward definition the tests check both against: row by row, in float64.
 """
 from __future__ import annotations
 
@@ -61,23 +61,19 @@ def prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tab
 
 def _reference_row(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
                    block_size: int, scale: float, window: int, length: int, first: int) -> torch.Tensor:
-    """q [n, H, D] at positions first.. first+n-1 over a row's keys 0..length-1 (CPU tensors) → [n, H, D] float64."""
-    n, h = q.shape[0], q.shape[1]
-    group = h // keys.shape[0]
-    slots = torch.tensor([int(table[p // block_size]) * block_size + p % block_size for p in range(length)],
-                         dtype=torch.long)
+    """q [n, H, D] at positions first..first+n-1 over a row's keys 0..length-1 (CPU tensors) → [n, H, D] float64."""
+    n, group = q.shape[0], q.shape[1] // keys.shape[0]
+    pos = torch.arange(length)
+    slots = table.long()[pos // block_size] * block_size + pos % block_size
+    k = keys[:, slots].double().repeat_interleave(group, dim=0)  # [H, length, D]: query head h reads KV head h // G
+    v = values[:, slots].double().repeat_interleave(group, dim=0)
     q_pos = torch.arange(first, first + n).unsqueeze(1)
-    key_pos = torch.arange(length).unsqueeze(0)
-    visible = key_pos <= q_pos
+    visible = pos <= q_pos                                       # [n, length]
     if window > 0:
-        visible &= key_pos > q_pos - window
-    out = torch.empty((n, h, q.shape[2]), dtype=torch.float64)
-    for head in range(h):
-        k = keys[head // group, slots].double()  # [length, D]
-        v = values[head // group, slots].double()
-        scores = (q[:, head].double() @ k.T * scale).masked_fill(~visible, float("-inf"))
-        out[:, head] = torch.softmax(scores, dim=-1) @ v
-    return out
+        visible &= pos > q_pos - window
+    scores = torch.einsum("nhd,hld->hnl", q.double(), k) * scale
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.einsum("hnl,hld->nhd", probs, v)
 
 
 def reference_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tables: torch.Tensor,

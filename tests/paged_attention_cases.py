@@ -31,6 +31,7 @@ class Spec:
     window: int = 0
     query_lens: tuple[int, ...] | None = None   # None: a decode problem
     extra_width: int = 2                        # table entries past the longest row
+    width: int | None = None                    # the tables' width (default: the longest row's plus extra_width)
     shared_blocks: int = 0                      # rows 1.. start with row 0's first blocks
     gap: int = 0                                # prefill: unclaimed tokens between rows' queries
     with_out: bool = False                      # pass an `out` buffer (always with a gap)
@@ -45,7 +46,7 @@ def build(spec: Spec, seed: int, device: str | torch.device = "cpu") -> dict[str
     """The keyword arguments of the kernel call for `spec`, as tensors on `device`."""
     gen = torch.Generator().manual_seed(seed)
     bs, rows = spec.block_size, len(spec.lens)
-    width = max(1, -(-max(spec.lens) // bs)) + spec.extra_width
+    width = spec.width or max(1, -(-max(spec.lens) // bs)) + spec.extra_width
     num_blocks = rows * width + 3
     tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width] for _ in range(rows)])
     for r in range(1, rows):
