@@ -116,8 +116,11 @@ def decode_segments(batch: int, kv_heads: int, max_keys: int, block_n: int, sms:
     return max(1, min(wanted, MAX_SEGMENTS, -(-max_keys // block_n)))
 
 
-def _decode_block_n(head_dim: int) -> int:
-    return 64 if head_dim <= 128 else 32
+def _keys_per_tile(head_dim: int, element_size: int) -> int:
+    """Keys per loaded tile: 16 KB of keys (and as much of values) at most, so that three pipeline stages of both
+    fit in shared memory with room to spare; 64 for 16-bit heads up to 128, 32 at 256, 16 for float32 at 256."""
+    fitting = 16384 // (head_dim * element_size)
+    return max(16, min(64, 1 << (fitting.bit_length() - 1)))  # the largest power of two that fits
 
 
 def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tables: torch.Tensor,
@@ -142,7 +145,7 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
         return out
     q = q if q.stride(-1) == 1 else q.contiguous()
     group = h // kvh
-    block_n = _decode_block_n(d)
+    block_n = _keys_per_tile(d, keys.element_size())
     d_pad = _next_pow2(d)
     if segments is None:
         segments = decode_segments(b, kvh, block_tables.shape[1] * block_size, block_n, _sm_count(q.device))
@@ -169,10 +172,12 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     return out
 
 
-def _prefill_blocks(group: int, head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_M rows = BLOCK_Q tokens x group heads, BLOCK_Q, BLOCK_N keys) of a prefill program."""
+def _prefill_blocks(group: int, head_dim: int, element_size: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M rows = BLOCK_Q tokens x group heads, BLOCK_Q, BLOCK_N keys, warps) of a prefill program: warps
+    enough that the [BLOCK_M, head_dim] float32 accumulator takes at most 64 registers a thread."""
     block_m = max(64, _next_pow2(group))
-    return block_m, block_m // group, 64 if head_dim <= 128 else 32
+    warps = max(4, min(8, block_m * head_dim // (64 * 32)))
+    return block_m, block_m // group, _keys_per_tile(head_dim, element_size), warps
 
 
 def paged_prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tables: torch.Tensor,
@@ -200,7 +205,7 @@ def paged_prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.T
         return out
     q = q if q.stride(-1) == 1 else q.contiguous()
     group = h // kvh
-    block_m, block_q, block_n = _prefill_blocks(group, d)
+    block_m, block_q, block_n, warps = _prefill_blocks(group, d, keys.element_size())
     direct = out.stride(-1) == 1
     target = out if direct else out.contiguous()
     tiles = math.ceil(min(max_query_len or t, t) / block_q)
@@ -209,7 +214,7 @@ def paged_prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.T
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
         block_tables.stride(0), target.stride(0), target.stride(1), window, scale * _LOG2E,
         HEAD_DIM=d, D_PAD=_next_pow2(d), GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_SIZE=block_size,
-        BLOCK_N=block_n, WINDOWED=window > 0, **_dot_options(keys.dtype), num_warps=4)
+        BLOCK_N=block_n, WINDOWED=window > 0, **_dot_options(keys.dtype), num_warps=warps)
     if not direct:
         out.copy_(target)
     return out
