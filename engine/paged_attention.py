@@ -26,6 +26,11 @@ Launch layout, and why:
   `max_query_len` when it is known on the host; the default bound T is always safe, and tiles past a row's own
   queries exit at once.
 
+Keys and values are loaded BLOCK_N tokens at a time (at most 16 KB a tile: 64 tokens for 16-bit heads up to 128,
+32 at 256), a tile crossing cache blocks freely (each token's block comes from the table), so three software
+pipeline stages of both fit in shared memory. The segment count aims at two programs per SM (at most 32 parts,
+never more than the table has tiles), its scratch [B, H, segments, head_dim] float32.
+
 Both take tensors on the device and read lengths there: no host synchronisation. Scratch buffers are allocated
 per call (inside a CUDA-graph capture they come from the graph's pool). Without Triton (or for CPU tensors outside
 TRITON_INTERPRET=1) the same calls run `engine.paged_attention_torch`'s batched torch fallback.
@@ -91,6 +96,8 @@ def _check_cache(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bloc
     if q.shape[-1] != keys.shape[-1] or q.shape[-2] % keys.shape[0]:
         raise ValueError(f"q {tuple(q.shape)} does not fit the cache's {keys.shape[0]} KV heads of dim "
                          f"{keys.shape[-1]}: heads must be a multiple of the KV heads")
+    if not q.dtype == keys.dtype == values.dtype:
+        raise ValueError(f"q, keys and values must share a dtype, got {q.dtype}, {keys.dtype}, {values.dtype}")
     if keys.stride(-1) != 1 or values.stride(-1) != 1:
         raise ValueError("keys and values must be contiguous along head_dim")
     if block_size < 1 or keys.shape[1] % block_size:

@@ -59,8 +59,9 @@ def build(spec: Spec, seed: int, device: str | torch.device = "cpu") -> dict[str
         keys[:, slots] = torch.randn((spec.kv_heads, n, spec.head_dim), generator=gen)
         values[:, slots] = torch.randn((spec.kv_heads, n, spec.head_dim), generator=gen)
     args: dict[str, Any] = dict(keys=keys.to(spec.dtype), values=values.to(spec.dtype),
-                                block_tables=tables.to(torch.int32), seq_lens=torch.tensor(spec.lens, dtype=torch.int32),
-                                block_size=bs, scale=spec.head_dim ** -0.5, window=spec.window)
+                                block_tables=tables.to(torch.int32),
+                                seq_lens=torch.tensor(spec.lens, dtype=torch.int32), block_size=bs,
+                                scale=spec.head_dim ** -0.5, window=spec.window)
     if spec.decode:
         args["q"] = torch.randn((rows, spec.heads, spec.head_dim), generator=gen).to(spec.dtype)
     else:

@@ -160,3 +160,13 @@ def test_decode_segments_fill_the_gpu(batch, max_keys):
         assert segments == 1
     else:
         assert batch * kv_heads * segments >= min(sms, batch * kv_heads * min(tiles, paged_attention.MAX_SEGMENTS))
+
+
+def test_rejects_inputs_that_do_not_fit():
+    args = _problem(DECODE[0])
+    with pytest.raises(ValueError, match="multiple of the KV heads"):
+        paged_attention.paged_decode_attention(**dict(args, q=args["q"][:, :3]))
+    with pytest.raises(ValueError, match="share a dtype"):
+        paged_attention.paged_decode_attention(**dict(args, q=args["q"].double()))
+    with pytest.raises(ValueError, match="whole blocks"):
+        paged_attention.paged_decode_attention(**dict(args, block_size=7))
