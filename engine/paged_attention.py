@@ -130,6 +130,21 @@ def _keys_per_tile(head_dim: int, element_size: int) -> int:
     return max(16, min(64, 1 << (fitting.bit_length() - 1)))  # the largest power of two that fits
 
 
+DECODE_WARPS = 4
+
+
+def decode_config(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, segments: int,
+                  windowed: bool) -> tuple[dict[str, object], dict[str, object]]:
+    """The constexprs of the decode kernel and of its reduction for these shapes (sm_90, bf16, 4 warps: 72, 120
+    and 125 registers a thread at head_dim 64, 128 and 256, no spills, the key loop software-pipelined)."""
+    group = heads // kv_heads
+    common = dict(HEAD_DIM=head_dim, D_PAD=_next_pow2(head_dim),
+                  BLOCK_N=_keys_per_tile(head_dim, torch.empty((), dtype=dtype).element_size()),
+                  NUM_SEGMENTS=segments, WINDOWED=windowed)
+    return (dict(common, GROUP=group, G_PAD=max(16, _next_pow2(group)), BLOCK_SIZE=block_size, **_dot_options(dtype)),
+            dict(common, SEG_PAD=max(2, _next_pow2(segments))))
+
+
 def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, block_size: int, scale: float, window: int = 0,
                            out: torch.Tensor | None = None, *, segments: int | None = None,
@@ -151,40 +166,42 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
         out.copy_(paged_attention_torch.decode(q, keys, values, block_tables, seq_lens, block_size, scale, window))
         return out
     q = q if q.stride(-1) == 1 else q.contiguous()
-    group = h // kvh
-    block_n = _keys_per_tile(d, keys.element_size())
-    d_pad = _next_pow2(d)
     if segments is None:
-        segments = decode_segments(b, kvh, block_tables.shape[1] * block_size, block_n, _sm_count(q.device))
+        segments = decode_segments(b, kvh, block_tables.shape[1] * block_size,
+                                   _keys_per_tile(d, keys.element_size()), _sm_count(q.device))
+    kernel, reduce = decode_config(h, kvh, d, block_size, keys.dtype, segments, window > 0)
     direct = out.stride(-1) == 1
     target = out if direct else torch.empty_like(q)
     if segments > 1:
-        part_acc = torch.empty((b, h, segments, d_pad), dtype=torch.float32, device=q.device)
+        part_acc = torch.empty((b, h, segments, kernel["D_PAD"]), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((b, h, segments, 2), dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = target  # unused
-    common = dict(HEAD_DIM=d, D_PAD=d_pad, BLOCK_N=block_n, NUM_SEGMENTS=segments, WINDOWED=window > 0)
     _kernels.paged_decode_kernel[(b, kvh, segments)](
         q, keys, values, block_tables, seq_lens, target, part_acc, part_ml,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
         block_tables.stride(0), target.stride(0), target.stride(1), window, scale * _LOG2E,
-        GROUP=group, G_PAD=max(16, _next_pow2(group)), BLOCK_SIZE=block_size, **_dot_options(keys.dtype),
-        num_warps=4, **common)
+        num_warps=DECODE_WARPS, **kernel)
     if segments > 1:
         _kernels.paged_decode_reduce_kernel[(b, h)](
             seq_lens, part_acc, part_ml, target, target.stride(0), target.stride(1), window,
-            SEG_PAD=max(2, _next_pow2(segments)), num_warps=4, **common)
+            num_warps=DECODE_WARPS, **reduce)
     if not direct:
         out.copy_(target)
     return out
 
 
-def _prefill_blocks(group: int, head_dim: int, element_size: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M rows = BLOCK_Q tokens x group heads, BLOCK_Q, BLOCK_N keys, warps) of a prefill program: warps
-    enough that the [BLOCK_M, head_dim] float32 accumulator takes at most 64 registers a thread."""
+def prefill_config(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                   windowed: bool) -> tuple[dict[str, object], int]:
+    """The prefill kernel's constexprs and warps: BLOCK_M = BLOCK_Q tokens x GROUP heads (64 rows at least), 8 warps
+    from head_dim 128 (sm_90, bf16: 186 registers a thread at 4 warps, 132 at 8; at 256, 171 with 8, spills with 4)."""
+    group = heads // kv_heads
     block_m = max(64, _next_pow2(group))
-    warps = max(4, min(8, block_m * head_dim // (64 * 32)))
-    return block_m, block_m // group, _keys_per_tile(head_dim, element_size), warps
+    warps = 4 if head_dim <= 64 else 8
+    return (dict(HEAD_DIM=head_dim, D_PAD=_next_pow2(head_dim), GROUP=group, BLOCK_M=block_m,
+                 BLOCK_Q=block_m // group, BLOCK_SIZE=block_size,
+                 BLOCK_N=_keys_per_tile(head_dim, torch.empty((), dtype=dtype).element_size()), WINDOWED=windowed,
+                 **_dot_options(dtype)), warps)
 
 
 def paged_prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tables: torch.Tensor,
@@ -211,17 +228,15 @@ def paged_prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.T
                                       block_size, scale, window, out)
         return out
     q = q if q.stride(-1) == 1 else q.contiguous()
-    group = h // kvh
-    block_m, block_q, block_n, warps = _prefill_blocks(group, d, keys.element_size())
+    kernel, warps = prefill_config(h, kvh, d, block_size, keys.dtype, window > 0)
     direct = out.stride(-1) == 1
     target = out if direct else out.contiguous()
-    tiles = math.ceil(min(max_query_len or t, t) / block_q)
+    tiles = math.ceil(min(max_query_len or t, t) / kernel["BLOCK_Q"])
     _kernels.paged_prefill_kernel[(rows, tiles, kvh)](
         q, keys, values, block_tables, seq_lens, query_lens, query_starts, target,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
         block_tables.stride(0), target.stride(0), target.stride(1), window, scale * _LOG2E,
-        HEAD_DIM=d, D_PAD=_next_pow2(d), GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_SIZE=block_size,
-        BLOCK_N=block_n, WINDOWED=window > 0, **_dot_options(keys.dtype), num_warps=warps)
+        num_warps=warps, **kernel)
     if not direct:
         out.copy_(target)
     return out
