@@ -24,7 +24,8 @@ class DecodeAnchor:
     """Random weights of `shape` on `device` and a cache for up to `max_batch` rows of `max_len` positions."""
 
     def __init__(self, shape: Shape, device: torch.device, max_batch: int, max_len: int, seed: int = 0) -> None:
-        self.shape, self.device, self.max_len = shape, device, max_len
+        # a multiple of 16: the mask's rows stay aligned for SDPA's fused kernels
+        self.shape, self.device, self.max_len = shape, device, -(-max_len // 16) * 16
         gen = torch.Generator(device=device).manual_seed(seed)
         h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
 
@@ -36,7 +37,7 @@ class DecodeAnchor:
                             down=w(h, shape.ffn).mul_(0.3)) for _ in range(shape.layers)]
         self.norm = torch.ones(h, device=device, dtype=DTYPE)
         self.head_norm = torch.ones(shape.head_dim, device=device, dtype=DTYPE)
-        cache = (max_batch, shape.kv_heads, max_len, shape.head_dim)
+        cache = (max_batch, shape.kv_heads, self.max_len, shape.head_dim)
         self.k_cache = [torch.zeros(cache, device=device, dtype=DTYPE) for _ in range(shape.layers)]
         self.v_cache = [torch.zeros(cache, device=device, dtype=DTYPE) for _ in range(shape.layers)]
         self.sliding = layer_is_sliding(shape)
@@ -68,8 +69,8 @@ class DecodeAnchor:
             qk, v = qkv[:, :nq + nkv], qkv[:, nq + nkv:]
             if s.qk_norm:
                 qk = self._rms(qk, self.head_norm)
-            cos, sin = self.rope[self.sliding[i]]
-            qk = qk * cos[pos] + torch.roll(qk, s.head_dim // 2, dims=-1) * sin[pos]
+            cos, sin = (t.index_select(0, pos.view(1)) for t in self.rope[self.sliding[i]])  # no host sync
+            qk = qk * cos + torch.roll(qk, s.head_dim // 2, dims=-1) * sin
             self.k_cache[i][:b].index_copy_(2, pos.view(1), qk[:, nq:].unsqueeze(2))
             self.v_cache[i][:b].index_copy_(2, pos.view(1), v.unsqueeze(2))
             mask = windowed if self.sliding[i] else visible
