@@ -143,12 +143,18 @@ def test_offsets_past_int32():
 
 
 def _time_ms(fn, repeats: int = 50) -> float:
+    """GPU time of one call of `fn`, replayed from a CUDA graph (as the engine will run it: no launch overhead)."""
     for _ in range(3):
         fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
     start.record()
     for _ in range(repeats):
-        fn()
+        graph.replay()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / repeats
@@ -166,7 +172,8 @@ def _random_pool(rows: int, length: int, heads: int, kv_heads: int, head_dim: in
 
 
 def test_timing_print(capsys):
-    """Per-layer decode attention at 1024 keys: the Triton kernel against today's gather + float32 bmm."""
+    """Per-layer decode attention at 1024 keys, each replayed from a CUDA graph: the Triton kernel against today's
+    gather + float32 bmm (engine/layers.py's decode_attention)."""
     lines = ["decode attention per layer, 1024 keys per row (bf16):",
              "| model | batch | triton us | GB/s of K+V | gather+bmm us |", "|---|---|---|---|---|"]
     for model in ("llama-1b", "qwen3-0.6b"):
