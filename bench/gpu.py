@@ -1,0 +1,562 @@
+"""GPU benchmark (issue 13): how close emberserve comes to the hardware, in one command of about five minutes.
+
+For each shape (random weights at a real model's dimensions, written as a hub directory; bench/synthetic_model.py):
+  bandwidth  device-to-device copy of --bandwidth-gib (bytes read + written / time, CUDA events), once per run;
+             the batch-1 roofline of a shape is that bandwidth over its weight bytes
+  anchor     a bare PyTorch decode loop (bench/decode_anchor.py), one CUDA graph per step, tokens/s per batch
+  engine     `Runner.step` decode steps with greedy argmax after a --prompt-tokens prompt per row: ms per step,
+             tokens/s, and at batch 1 the fraction of the roofline (public engine API only)
+  ttft       prefill + first token of --ttft-prompts through `Runner.step`, median of --ttft-repeats
+  server     `python -m server serve` on the directory, streaming /v1/completions (bench/serve.py's client) with
+             token-id prompts, ignore_eos, temperature 0, at each --server-concurrency: output tokens/s, TTFT p50,
+             ITL p50; --server-args passes flags through (e.g. "--max-running 128")
+Each part guards its own --part-budget (skipping the batch sizes / concurrencies left once over it), all within
+--budget-s. Progress goes to stderr; a markdown table and the JSON go to stdout; --json-out gets the JSON after
+every part, so a run cut short still leaves its results.
+
+    python bench/gpu.py --json-out /tmp/gpu.json                                # llama-1b, every part (H200: ~5 min)
+    python bench/gpu.py --shapes qwen3-0.6b,gemma3-1b --parts anchor,engine,ttft
+    python bench/gpu.py --device cpu --shapes tiny --batches 1,2 --decode-steps 4 --ttft-prompts 16 \\
+        --server-concurrency 1,2 --server-max-tokens 8                          # CPU smoke check
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import platform
+import random
+import shlex
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import httpx
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this tree's engine, wherever it is run from (the GPU machine installs nothing)
+
+from decode_anchor import DecodeAnchor, measure as measure_anchor  # noqa: E402
+from synthetic_model import (MAX_POSITION, SHAPES, ModelDir, Shape, estimated_weight_bytes,  # noqa: E402
+                             write_model_dir)
+
+PARTS = ("bandwidth", "anchor", "engine", "ttft", "server")
+DEFAULT_PART_BUDGET = {"bandwidth": 15.0, "anchor": 45.0, "engine": 75.0, "ttft": 30.0, "server": 120.0}
+WARMUP_STEPS = 3
+START = time.monotonic()
+
+
+def log(message: str) -> None:
+    print(f"[gpu.py {time.monotonic() - START:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+class Budget:
+    """A deadline: `seconds` from now, or the enclosing budget's end if that comes first."""
+
+    def __init__(self, seconds: float, within: Budget | None = None) -> None:
+        self.end = time.monotonic() + seconds
+        if within is not None:
+            self.end = min(self.end, within.end)
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+    def allows(self, estimate: float = 0.0) -> bool:
+        return self.left() > estimate
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    env: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+                           "platform": platform.platform(), "cpu_count": os.cpu_count(), "device": str(device)}
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    from engine import paged_attention
+    env["paged_attention_triton"] = paged_attention.triton_available()
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env |= {"gpu": props.name, "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+                "sm_count": props.multi_processor_count, "capability": f"{props.major}.{props.minor}"}
+    try:
+        env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                           timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        env["git_commit"] = None
+    return env
+
+
+# ---- parts ---------------------------------------------------------------------------------------------------
+
+def copy_bandwidth(device: torch.device, gib: float, repeats: int = 10) -> dict[str, Any]:
+    """(bytes read + bytes written) / time of a device-to-device copy of `gib` GiB: best and median."""
+    n = int(gib * 2**30)
+    src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(repeats + 2):
+        sync(device)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1000
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            seconds = time.perf_counter() - t0
+        if i >= 2:  # the first copies page memory in
+            times.append(seconds)
+    del src, dst
+    free_memory()
+    return {"bytes_per_copy": 2 * n, "best_gb_s": round(2 * n / min(times) / 1e9, 1),
+            "median_gb_s": round(2 * n / statistics.median(times) / 1e9, 1), "repeats": repeats}
+
+
+def anchor_part(shape: Shape, device: torch.device, args: argparse.Namespace, budget: Budget,
+                roofline: float | None) -> list[dict]:
+    rows: list[dict] = []
+    anchor = DecodeAnchor(shape, device, max(args.batches), args.prompt_tokens + args.decode_steps + 8)
+    last = 0.0
+    for batch in args.batches:
+        if not budget.allows(2 * last):
+            rows.append({"batch": batch, "skipped": "over the part's budget"})
+            continue
+        t0 = time.monotonic()
+        try:
+            rows.append(measure_anchor(anchor, batch, args.prompt_tokens, args.decode_steps))
+            if batch == 1 and roofline:
+                rows[-1]["fraction_of_roofline"] = round(rows[-1]["tokens_per_s"] / roofline, 4)
+        except torch.OutOfMemoryError as e:
+            rows.append({"batch": batch, "error": f"out of memory: {str(e)[:200]}"})
+        last = time.monotonic() - t0
+        log(f"  anchor batch {batch}: {rows[-1]}")
+    del anchor
+    free_memory()
+    return rows
+
+
+def random_ids(n: int, vocab: int, rng: random.Random) -> list[int]:
+    return [rng.randrange(3, vocab) for _ in range(n)]  # ids 0-2 are the special tokens
+
+
+def engine_part(runner: Any, args: argparse.Namespace, budget: Budget, roofline: float | None) -> list[dict]:
+    """Decode steps of `args.batches` rows through the public Runner API."""
+    from engine.batch import StepRow
+
+    rng = random.Random(1)
+    rows: list[dict] = []
+    last = 0.0
+    for batch in args.batches:
+        if not budget.allows(2 * last):
+            rows.append({"batch": batch, "skipped": "over the part's budget"})
+            continue
+        t0 = time.monotonic()
+        seqs = [runner.new_sequence(random_ids(args.prompt_tokens, runner.vocab_size, rng)) for _ in range(batch)]
+        try:
+            per_step = max(1, args.prefill_tokens // args.prompt_tokens)
+            for i in range(0, batch, per_step):  # prompts in steps of at most --prefill-tokens tokens
+                chunk = seqs[i:i + per_step]
+                logits = runner.step([StepRow(s, s.num_computed, len(s.tokens)) for s in chunk])
+                for s, token in zip(chunk, logits.argmax(dim=-1).tolist()):
+                    s.tokens.append(token)
+            prefill_s = time.monotonic() - t0
+
+            def decode_step() -> None:
+                logits = runner.step([StepRow(s, s.num_computed, len(s.tokens)) for s in seqs])
+                for s, token in zip(seqs, logits.argmax(dim=-1).tolist()):  # .tolist(): the host sync a server has
+                    s.tokens.append(token)
+
+            for _ in range(WARMUP_STEPS):
+                decode_step()
+            sync(runner.device)
+            t1 = time.perf_counter()
+            for _ in range(args.decode_steps):
+                decode_step()
+            sync(runner.device)
+            elapsed = time.perf_counter() - t1
+            row = {"batch": batch, "steps": args.decode_steps,
+                   "ms_per_step": round(1000 * elapsed / args.decode_steps, 3),
+                   "tokens_per_s": round(batch * args.decode_steps / elapsed, 1), "prefill_s": round(prefill_s, 3)}
+            if batch == 1 and roofline:
+                row["fraction_of_roofline"] = round(row["tokens_per_s"] / roofline, 4)
+            rows.append(row)
+        except torch.OutOfMemoryError as e:
+            rows.append({"batch": batch, "error": f"out of memory: {str(e)[:200]}"})
+        finally:
+            for s in seqs:
+                runner.free_sequence(s)
+        last = time.monotonic() - t0
+        log(f"  engine batch {batch}: {rows[-1]}")
+    return rows
+
+
+def ttft_part(runner: Any, args: argparse.Namespace, budget: Budget) -> list[dict]:
+    """Prefill + first token of one prompt per call (fresh random ids: no prefix-cache hit), median of repeats."""
+    from engine.batch import StepRow
+
+    rng = random.Random(2)
+    rows: list[dict] = []
+    for n in args.ttft_prompts:
+        times: list[float] = []
+        for i in range(args.ttft_repeats + 1):  # the first call of a length is a warm-up
+            if not budget.allows():
+                break
+            ids = random_ids(n, runner.vocab_size, rng)
+            sync(runner.device)
+            t0 = time.perf_counter()
+            seq = runner.new_sequence(ids)
+            int(runner.step([StepRow(seq, seq.num_computed, len(seq.tokens))])[0].argmax())
+            elapsed = time.perf_counter() - t0
+            runner.free_sequence(seq)
+            if i:
+                times.append(elapsed)
+        rows.append({"prompt_tokens": n, "repeats": len(times),
+                     "ttft_ms": round(1000 * statistics.median(times), 2) if times else None}
+                    | ({} if times else {"skipped": "over the part's budget"}))
+        log(f"  ttft {n} tokens: {rows[-1]}")
+    return rows
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_part(model: ModelDir, shape: Shape, args: argparse.Namespace, budget: Budget, work: Path) -> dict:
+    """Start the real server on the model directory and stream completions at each concurrency."""
+    import serve  # bench/serve.py: the streaming client, its percentiles and summary rows
+
+    port = _free_port()
+    log_path = work / f"server-{port}.log"
+    cmd = [sys.executable, "-m", "server", "serve", "--model", str(model.path), "--device", args.device,
+           "--port", str(port), "--log-level", "warning", *shlex.split(args.server_args)]
+    log(f"  starting {' '.join(cmd)}")
+    t0 = time.monotonic()
+    with log_path.open("wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    result: dict[str, Any] = {"command": cmd, "scenarios": []}
+    try:
+        base = f"http://127.0.0.1:{port}"
+        while True:
+            if proc.poll() is not None:
+                tail = log_path.read_text(errors="replace")[-2000:]
+                result["error"] = f"server exited with {proc.returncode}: {tail}"
+                log(f"  {result['error'][:500]}")
+                return result
+            if not budget.allows():
+                result["error"] = "server not ready within the part's budget"
+                log(f"  {result['error']}")
+                return result
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        result["startup_s"] = round(time.monotonic() - t0, 1)
+        log(f"  server ready after {result['startup_s']}s")
+        result["scenarios"] = asyncio.run(_load(serve, base, shape, args, budget))
+        return result
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        result["log_tail"] = log_path.read_text(errors="replace")[-1500:] or None
+
+
+async def _load(serve: Any, base: str, shape: Shape, args: argparse.Namespace, budget: Budget) -> list[dict]:
+    limits = httpx.Limits(max_connections=max(args.server_concurrency) + 2)
+    rows: list[dict] = []
+    async with httpx.AsyncClient(base_url=base, timeout=max(30.0, budget.left()), limits=limits) as client:
+        model = await serve.resolve_model(client, None, 30)
+        bench = serve.Bench(client, SimpleNamespace(extra_body={}, timeout=max(30.0, budget.left())), model)
+        last, last_c = 0.0, 1
+        for i, c in enumerate(args.server_concurrency):
+            # the next level's time, guessed as the last one's scaled by concurrency (exact once --max-running caps
+            # the batch, pessimistic before)
+            if not budget.allows(last * c / last_c):
+                rows.append({"concurrency": c, "skipped": "over the part's budget"})
+                continue
+            bench.args.timeout = max(10.0, budget.left())  # per request, stream included
+            rng = random.Random(100 + c)
+            n = args.server_requests or max(c, 2)
+            prompts = [random_ids(args.server_prompt_tokens, shape.vocab, rng) for _ in range(n)]
+            warmup = random_ids(args.server_prompt_tokens, shape.vocab, rng) if i == 0 else ""
+            t0 = time.monotonic()
+            row, _ = await bench.scenario(f"c{c}", args.server_prompt_tokens, prompts.__getitem__, len(prompts), c,
+                                          args.server_max_tokens, warmup)
+            last, last_c = time.monotonic() - t0, c
+            rows.append(row)
+            log(f"  server concurrency {c}: {row['output_tok_s']} output tok/s, TTFT p50 {row['ttft_p50_ms']} ms, "
+                f"ITL p50 {row['itl_p50_ms']} ms, {row['errors']} errors")
+    return rows
+
+
+# ---- one shape -----------------------------------------------------------------------------------------------
+
+def kv_memory(shape: Shape, args: argparse.Namespace, dtype_bytes: int) -> int:
+    """Bytes of KV pool the engine parts need (each row rounded up to whole blocks, plus a margin)."""
+    per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype_bytes
+    per_row = args.prompt_tokens + WARMUP_STEPS + args.decode_steps + 2 * 16
+    tokens = max(max(args.batches) * per_row, max(args.ttft_prompts, default=0) + 32, MAX_POSITION)
+    return int(1.2 * tokens * per_token)
+
+
+def _guarded(report: dict, part: str, fn: Callable[[], Any], save: Callable[[], None]) -> None:
+    """report[part] = fn(), or the error it raised: one failing part must not cost the run's other results."""
+    try:
+        report[part] = fn()
+    except Exception as e:  # noqa: BLE001 - recorded in the JSON, the run goes on
+        log(f"  {part} failed: {type(e).__name__}: {e}")
+        report[part] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+    free_memory()
+    save()
+
+
+def run_shape(name: str, args: argparse.Namespace, device: torch.device, bandwidth: dict | None, total: Budget,
+              work: Path, save: Callable[[], None], report: dict) -> None:
+    shape = SHAPES[name]
+    t0 = time.monotonic()
+    log(f"{name}: writing random weights")
+    model = write_model_dir(shape, work / name, device)
+    report |= {"weight_bytes": model.weight_bytes, "params": model.params, "write_s": round(time.monotonic() - t0, 1)}
+    roofline = bandwidth["best_gb_s"] * 1e9 / model.weight_bytes if bandwidth else None
+    report["roofline_tokens_per_s_batch1"] = round(roofline, 1) if roofline else None
+    log(f"{name}: {model.params / 1e9:.3f} B parameters, {model.weight_bytes / 1e9:.3f} GB of weights"
+        + (f", roofline {roofline:.0f} tok/s at batch 1" if roofline else ""))
+
+    def budget(part: str) -> Budget:
+        return Budget(args.part_budget[part], within=total)
+
+    if "anchor" in args.parts:
+        log(f"{name}: anchor (bare PyTorch decode loop)")
+        _guarded(report, "anchor", lambda: anchor_part(shape, device, args, budget("anchor"), roofline), save)
+    if {"engine", "ttft"} & set(args.parts):
+        from engine import load_runner
+
+        t1 = time.monotonic()
+        try:
+            runner = load_runner(str(model.path), device=device,
+                                 dtype=torch.bfloat16 if device.type == "cuda" else None,
+                                 kv_cache_memory=kv_memory(shape, args, 2 if device.type == "cuda" else 4))
+        except Exception as e:  # noqa: BLE001
+            log(f"{name}: engine failed to load: {type(e).__name__}: {e}")
+            report["engine_load_error"] = f"{type(e).__name__}: {e}"[:2000]
+            runner = None
+        if runner is not None:
+            report["engine_load_s"] = round(time.monotonic() - t1, 1)
+            log(f"{name}: engine loaded in {report['engine_load_s']}s ({runner.dtype}, "
+                f"{runner.blocks.num_blocks} KV blocks)")
+            if "engine" in args.parts:
+                _guarded(report, "engine", lambda: engine_part(runner, args, budget("engine"), roofline), save)
+            if "ttft" in args.parts:
+                _guarded(report, "ttft", lambda: ttft_part(runner, args, budget("ttft")), save)
+            del runner
+            free_memory()
+    if "server" in args.parts:
+        log(f"{name}: server over HTTP")
+        _guarded(report, "server", lambda: server_part(model, shape, args, budget("server"), work), save)
+    if not args.keep_model_dir:
+        shutil.rmtree(model.path, ignore_errors=True)
+
+
+# ---- output --------------------------------------------------------------------------------------------------
+
+def _cell(row: dict | None) -> str:
+    if row is None:
+        return "-"
+    if "tokens_per_s" in row:
+        return f"{row['tokens_per_s']:,.0f} ({row['ms_per_step']:.2f} ms)"
+    return "skipped" if "skipped" in row else "error"
+
+
+def markdown(report: dict) -> str:
+    lines = []
+    bw = report.get("bandwidth")
+    env = report["environment"]
+    lines.append(f"## emberserve on {env.get('gpu', env['device'])} (torch {env['torch']}, triton {env['triton']})")
+    if bw:
+        lines.append(f"\ncopy bandwidth: {bw['best_gb_s']:,} GB/s best, {bw['median_gb_s']:,} GB/s median")
+    batches = report["parameters"]["batches"]
+    for name, shape in report["shapes"].items():
+        lines.append(f"\n### {name}: {shape.get('params', 0) / 1e6:,.1f} M parameters, "
+                     f"{shape.get('weight_bytes', 0) / 1e9:.3f} GB of weights")
+        lines.append("\n| tokens/s (ms/step) | " + " | ".join(f"batch {b}" for b in batches) + " |")
+        lines.append("|---|" + "---|" * len(batches))
+        if shape.get("roofline_tokens_per_s_batch1"):
+            lines.append(f"| weights-read roofline | {shape['roofline_tokens_per_s_batch1']:,.0f} |"
+                         + " |" * (len(batches) - 1))
+        anchor_mode = next((r["mode"] for r in shape.get("anchor", []) if isinstance(r, dict) and "mode" in r), "")
+        for part, label in (("anchor", f"bare PyTorch loop ({anchor_mode.replace('_', ' ')})"),
+                            ("engine", "emberserve Runner.step")):
+            if isinstance(shape.get(part), dict):  # the part failed
+                lines.append(f"| {label} | {shape[part]['error'][:200]} |" + " |" * (len(batches) - 1))
+            elif part in shape:
+                by_batch = {r["batch"]: r for r in shape[part]}
+                lines.append(f"| {label} | " + " | ".join(_cell(by_batch.get(b)) for b in batches) + " |")
+        for part in ("anchor", "engine"):
+            rows = shape.get(part)
+            first = next((r for r in rows if r.get("fraction_of_roofline")), None) if isinstance(rows, list) else None
+            if first:
+                lines.append(f"\n{part} at batch 1: {100 * first['fraction_of_roofline']:.1f}% of the roofline")
+        if shape.get("engine_load_error"):
+            lines.append(f"\nengine load failed: {shape['engine_load_error'][:300]}")
+        ttft = shape.get("ttft")
+        if isinstance(ttft, list):
+            lines.append("\nTTFT through Runner.step: " + ", ".join(
+                f"{r['prompt_tokens']} tokens {r['ttft_ms']} ms" for r in ttft if r.get("ttft_ms")))
+        elif ttft:
+            lines.append(f"\nTTFT failed: {ttft['error'][:300]}")
+        server = shape.get("server")
+        if server:
+            if server.get("error"):
+                lines.append(f"\nserver: {server['error'][:300]}")
+            if server.get("scenarios"):
+                lines.append("\n| server concurrency | output tok/s | TTFT p50 ms | ITL p50 ms | errors |")
+                lines.append("|---|---|---|---|---|")
+            for r in server.get("scenarios", []):
+                if "skipped" in r:
+                    lines.append(f"| {r['concurrency']} | skipped | | | |")
+                else:
+                    lines.append(f"| {r['concurrency']} | {r['output_tok_s']} | {r['ttft_p50_ms']} | "
+                                 f"{r['itl_p50_ms']} | {r['errors']} |")
+    return "\n".join(lines)
+
+
+# ---- command line --------------------------------------------------------------------------------------------
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _part_budgets(text: str) -> dict[str, float]:
+    budgets = dict(DEFAULT_PART_BUDGET)
+    for item in filter(None, text.split(",")):
+        part, _, seconds = item.partition("=")
+        if part not in budgets:
+            raise argparse.ArgumentTypeError(f"unknown part {part!r}; parts: {', '.join(PARTS)}")
+        budgets[part] = float(seconds)
+    return budgets
+
+
+def _work_root(weight_bytes: int) -> Path:
+    """/dev/shm when it has room (writing and reading the weights at memory speed), else the temp dir."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and shutil.disk_usage(shm).free > 3 * weight_bytes:
+        return shm
+    return Path(tempfile.gettempdir())
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu for a smoke check")
+    ap.add_argument("--shapes", default="llama-1b", help=f"comma-separated, of: {', '.join(SHAPES)}")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of: {', '.join(PARTS)}")
+    ap.add_argument("--batches", type=_ints, default=[1, 8, 32, 128, 256], help="decode batch sizes")
+    ap.add_argument("--prompt-tokens", type=int, default=128, help="prompt per row before decoding (anchor, engine)")
+    ap.add_argument("--decode-steps", type=int, default=48, help="timed decode steps per batch size")
+    ap.add_argument("--prefill-tokens", type=int, default=8192, help="engine: prompt tokens per prefill step")
+    ap.add_argument("--ttft-prompts", type=_ints, default=[128, 2048])
+    ap.add_argument("--ttft-repeats", type=int, default=3)
+    ap.add_argument("--server-concurrency", type=_ints, default=[1, 32, 128])
+    ap.add_argument("--server-prompt-tokens", type=int, default=128)
+    ap.add_argument("--server-max-tokens", type=int, default=256)
+    ap.add_argument("--server-requests", type=int, default=0,
+                    help="requests per concurrency (default: the concurrency, at least 2)")
+    ap.add_argument("--server-args", default="", help='extra `serve` flags, e.g. "--max-running 128"')
+    ap.add_argument("--bandwidth-gib", type=float, default=None, help="copy size (default 4 on GPU, 0.25 on CPU)")
+    ap.add_argument("--budget-s", type=float, default=300.0, help="the whole run's deadline")
+    ap.add_argument("--part-budget", type=_part_budgets, default=dict(DEFAULT_PART_BUDGET),
+                    help="per shape and part, e.g. anchor=30,server=200 (defaults: "
+                         + ", ".join(f"{k}={v:g}" for k, v in DEFAULT_PART_BUDGET.items()) + ")")
+    ap.add_argument("--work-dir", type=Path, help="where the model directories go (default /dev/shm or the temp dir)")
+    ap.add_argument("--keep-model-dir", action="store_true")
+    ap.add_argument("--json-out", type=Path, help="write the JSON here (after every part)")
+    args = ap.parse_args(argv)
+    args.shapes = [s for s in args.shapes.split(",") if s]
+    args.parts = [p for p in args.parts.split(",") if p]
+    for s in args.shapes:
+        if s not in SHAPES:
+            ap.error(f"unknown shape {s!r}; shapes: {', '.join(SHAPES)}")
+    for p in args.parts:
+        if p not in PARTS:
+            ap.error(f"unknown part {p!r}; parts: {', '.join(PARTS)}")
+    if not args.batches or min(args.batches) < 1 or not args.server_concurrency or min(args.server_concurrency) < 1:
+        ap.error("batch sizes and concurrencies must be >= 1")
+    if args.bandwidth_gib is None:
+        args.bandwidth_gib = 0.25 if args.device == "cpu" else 4.0
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but torch sees no CUDA device (use --device cpu for the smoke check)")
+    total = Budget(args.budget_s)
+    params = {k: v for k, v in vars(args).items() if k not in ("json_out", "work_dir")}
+    report: dict[str, Any] = {"timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
+                              "environment": environment(device), "parameters": params, "shapes": {}}
+
+    def save() -> None:
+        if args.json_out:
+            args.json_out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+    log(f"environment: {report['environment']}")
+    if "bandwidth" in args.parts:
+        report["bandwidth"] = copy_bandwidth(device, args.bandwidth_gib)
+        log(f"copy bandwidth: {report['bandwidth']}")
+        save()
+    root = args.work_dir or _work_root(max(estimated_weight_bytes(SHAPES[s]) for s in args.shapes))
+    work = Path(tempfile.mkdtemp(prefix="emberserve-gpu-bench-", dir=root))
+    try:
+        for name in args.shapes:
+            if not total.allows():
+                report["shapes"][name] = {"skipped": "over --budget-s"}
+                continue
+            report["shapes"][name] = {}
+            run_shape(name, args, device, report.get("bandwidth"), total, work, save, report["shapes"][name])
+            save()
+    finally:
+        report["wall_s"] = round(time.monotonic() - START, 1)
+        save()
+        if not args.keep_model_dir:
+            shutil.rmtree(work, ignore_errors=True)
+    log(f"done in {report['wall_s']}s")
+    print(markdown(report))
+    print("\n```json\n" + json.dumps(report, indent=2, default=str) + "\n```")
+
+
+if __name__ == "__main__":
+    main()
