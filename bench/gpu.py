@@ -378,6 +378,13 @@ def run_shape(name: str, args: argparse.Namespace, device: torch.device, bandwid
             report["engine_load_s"] = round(time.monotonic() - t1, 1)
             log(f"{name}: engine loaded in {report['engine_load_s']}s ({runner.dtype}, "
                 f"{runner.blocks.num_blocks} KV blocks)")
+            if device.type == "cuda" and not args.no_cuda_graphs:
+                try:
+                    report["graph_capture_s"] = round(runner.capture_cuda_graphs(max(args.batches)), 1)
+                    log(f"{name}: CUDA graphs captured in {report['graph_capture_s']}s")
+                except Exception as e:  # noqa: BLE001
+                    log(f"{name}: graph capture failed: {type(e).__name__}: {e}")
+                    report["graph_capture_error"] = f"{type(e).__name__}: {e}"[:2000]
             if "engine" in args.parts:
                 _guarded(report, "engine", lambda: engine_part(runner, args, budget("engine"), roofline), save)
             if "ttft" in args.parts:
@@ -503,6 +510,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--work-dir", type=Path, help="where the model directories go (default /dev/shm or the temp dir)")
     ap.add_argument("--keep-model-dir", action="store_true")
     ap.add_argument("--json-out", type=Path, help="write the JSON here (after every part)")
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="engine parts without CUDA graphs (eager steps)")
     args = ap.parse_args(argv)
     args.shapes = [s for s in args.shapes.split(",") if s]
     args.parts = [p for p in args.parts.split(",") if p]

@@ -1,19 +1,31 @@
 """`ForwardBatch`: the rows of one forward pass (prefill chunks and decode tokens of many sequences), flattened.
 
 All new tokens of all rows form one [N] sequence for the projections and MLPs, the bulk of the work: the decode
-tokens (rows of one new token) first, then the short prefill chunks, then the long ones. The first `packed_tokens`
-go through the packed matmul kernels, the rest through the dense copies (quant.packed_rows): which one a row takes
-depends only on the row itself. Attention is per row: the decode rows form one batched group reading their keys
-through the block tables; each longer chunk (a prefill) attends on its own.
-"""
-from __future__ import annotations
+tokens (rows of one new token) first, then the short prefill chunks, then the long ones. The first `packed_rows`
+tokens go through the packed matmul kernels, the rest through the dense copies (quant.PackedLinear): which one a
+row takes depends only on the row itself. Attention is per row: the decode rows form one batched group reading their
+keys in place (one row with consecutive blocks, or through block tables with the paged kernel on a GPU) or through
+a gather of their blocks; each longer chunk (a prefill) attends on its own, or (on a GPU, over cached blocks) all
+together through the paged prefill kernel.
 
-from dataclasses import dataclass, field
+A deterministic batch sends every token through the same kernels, whatever the row and its neighbours: packed
+kernels (or padded dense matmuls) for every row, and attention in float64 (layers.exact_attention).
+
+`ForwardBatch` is a NamedTuple of tensors, ints and lists so that TorchScript (the CPU decoder stack) and CUDA-graph
+capture (static buffers of the same fields) take it as it is.
+"""
+# No `from __future__ import annotations`: TorchScript reads the NamedTuple's annotations as types.
+from dataclasses import dataclass
+from typing import List, NamedTuple, Optional
 
 import torch
+from torch import Tensor
 
 from .block_manager import KVSequence
-from .quant import DENSE_MIN_ROWS
+
+# Rows from which a dense bfloat16 matmul beats the packed kernels on CPU (bench/matmul_formats.py): shorter chunks
+# are laid out right after the decode rows and take the packed kernels with them.
+DENSE_MIN_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -26,36 +38,30 @@ class StepRow:
     logits: str = "last"
 
 
-@dataclass
-class DecodeGroup:
-    size: int                          # Bd: the rows' tokens are the first Bd of the flat batch
-    key_blocks: torch.Tensor | None    # [Bd, nb] cache blocks holding each row's keys (padded with its first block)
-    full_mask: torch.Tensor | None     # [Bd, 1, 1, nb * block] bool; None when every slot of every row is a key
-    sliding_mask: torch.Tensor | None
-    # One row whose blocks are consecutive: its keys are cache slots [first, first + length), read in place
-    # (no gather, no mask); key_blocks and the masks are then None.
-    key_span: tuple[int, int] | None = None
-
-
-@dataclass
-class PrefillRow:
-    begin: int                         # the chunk's tokens are [begin, end) of the flat batch
-    end: int
-    key_blocks: torch.Tensor | None    # cache blocks of keys 0..last position; None: a fresh sequence (own k, v)
-    full_mask: torch.Tensor | None     # [1, 1, T, nb * block] bool; None: plain causal
-    sliding_mask: torch.Tensor | None
-
-
-@dataclass
-class ForwardBatch:
-    ids: torch.Tensor                  # [N]
-    positions: torch.Tensor            # [N]
-    slots: torch.Tensor                # [N] cache slot each new token's key/value is written to
-    logit_index: torch.Tensor          # [R] flat positions whose logits are returned, in the order of the rows
-    decode: DecodeGroup | None = None
-    prefills: list[PrefillRow] = field(default_factory=list)
-    packed_tokens: int = 0             # the decode tokens and the short chunks' tokens, first in the flat batch
-    rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+class ForwardBatch(NamedTuple):
+    ids: Tensor                        # [N] the new tokens of every row, decode rows first
+    positions: Tensor                  # [N]
+    slots: Tensor                      # [N] cache slot each new token's key/value is written to
+    logit_index: Tensor                # [R] flat positions whose logits are returned, in the order of the rows
+    block_size: int
+    packed_rows: int                   # leading tokens that take the packed kernels (decode rows, short chunks)
+    deterministic: bool                # every row through the same kernels (see the module docstring)
+    decode_rows: int                   # Bd: rows of one new token, the first Bd of the flat batch
+    span_first: int                    # one decode row with consecutive blocks: its keys are cache slots
+    span_length: int                   # [span_first, span_first + span_length), read in place (0: not used)
+    key_blocks: Optional[Tensor]       # [Bd, nb] blocks of each decode row's keys (gather; padded: first block)
+    full_mask: Optional[Tensor]        # [Bd, 1, 1, nb * block] bool; None when every gathered slot is a key
+    sliding_mask: Optional[Tensor]     # the same within the sliding window (full_mask when no row exceeds it)
+    block_tables: Optional[Tensor]     # [Bd, W] int32: decode rows' blocks for the paged kernel (GPU)
+    seq_lens: Optional[Tensor]         # [Bd] int32: decode rows' key counts for the paged kernel (0: padding)
+    prefill_begins: List[int]          # each prefill row attended on its own: its tokens are [begin, end)
+    prefill_ends: List[int]
+    prefill_key_blocks: List[Optional[Tensor]]     # blocks of the row's keys; None: a fresh sequence (own k, v)
+    prefill_full_masks: List[Optional[Tensor]]     # [1, 1, T, nb * block] bool; None: plain causal
+    prefill_sliding_masks: List[Optional[Tensor]]
+    paged_prefill: Optional[Tensor]    # [3, Rc] int32 query starts, query lens, key counts of the cached prefill
+    prefill_tables: Optional[Tensor]   # [Rc, W] int32 rows, which then take the paged prefill kernel (GPU)
+    prefill_max_query: int
 
 
 def _slots(seq: KVSequence, start: int, end: int, block_size: int) -> list[int]:
@@ -63,7 +69,7 @@ def _slots(seq: KVSequence, start: int, end: int, block_size: int) -> list[int]:
     return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
-def _mask(q_pos: torch.Tensor, kv_len: int, window: int | None) -> torch.Tensor:
+def _mask(q_pos: Tensor, kv_len: int, window: int | None) -> Tensor:
     """[rows, T, kv_len] bool: key j visible to a query at position p if j <= p (and p - j < window)."""
     keys = torch.arange(kv_len, device=q_pos.device)
     q = q_pos.unsqueeze(-1)
@@ -77,8 +83,16 @@ def _consecutive(table: list[int]) -> bool:
     return table[-1] - table[0] == len(table) - 1 and all(b - a == 1 for a, b in zip(table, table[1:]))
 
 
-def build_batch(rows: list[StepRow], block_size: int, window: int | None, device: torch.device) -> ForwardBatch:
-    """Lay out `rows` as one flat forward pass; `window` is the sliding-window size (None: no sliding layers)."""
+def _tables(tables: list[list[int]], device: torch.device) -> Tensor:
+    """[R, widest] int32, each table padded with its own first block (a valid block, never read past its length)."""
+    widest = max(len(t) for t in tables)
+    return torch.tensor([t + [t[0]] * (widest - len(t)) for t in tables], dtype=torch.int32, device=device)
+
+
+def build_batch(rows: list[StepRow], block_size: int, window: int | None, device: torch.device, *,
+                paged: bool = False, deterministic: bool = False) -> ForwardBatch:
+    """Lay out `rows` as one flat forward pass; `window` is the sliding-window size (None: no sliding layers);
+    `paged`: attention over cached blocks through the paged kernels (block tables) rather than gathers."""
     decode_rows = [row for row in rows if row.end - row.start == 1]
     short_rows = [row for row in rows if 1 < row.end - row.start < DENSE_MIN_ROWS]
     prefill_rows = short_rows + [row for row in rows if row.end - row.start >= DENSE_MIN_ROWS]
@@ -97,41 +111,60 @@ def build_batch(rows: list[StepRow], block_size: int, window: int | None, device
         elif row.logits == "last":
             logit_index.append(begin + row.end - row.start - 1)
 
-    def tensor(values: list[int]) -> torch.Tensor:
+    def tensor(values: list[int]) -> Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
-
-    batch = ForwardBatch(tensor(ids), tensor(positions), tensor(slots), tensor(logit_index),
-                         packed_tokens=len(decode_rows) + sum(row.end - row.start for row in short_rows))
 
     def blocks(row: StepRow) -> list[int]:
         return row.seq.block_table[:-(-row.end // block_size)]
 
-    if len(decode_rows) == 1 and _consecutive(blocks(decode_rows[0])):
-        row = decode_rows[0]
-        batch.decode = DecodeGroup(1, None, None, None, key_span=(row.seq.block_table[0] * block_size, row.end))
+    packed = len(ids) if deterministic else len(decode_rows) + sum(row.end - row.start for row in short_rows)
+    span_first = span_length = 0
+    key_blocks = full_mask = sliding_mask = block_tables = seq_lens = None
+    if paged and decode_rows:
+        block_tables = _tables([blocks(row) for row in decode_rows], device)
+        seq_lens = torch.tensor([row.end for row in decode_rows], dtype=torch.int32, device=device)
+    elif len(decode_rows) == 1 and _consecutive(blocks(decode_rows[0])):
+        span_first, span_length = decode_rows[0].seq.block_table[0] * block_size, decode_rows[0].end
     elif decode_rows:
         lengths = [row.end for row in decode_rows]
         tables = [blocks(row) for row in decode_rows]
         widest = max(len(t) for t in tables)
-        # Padding repeats a row's own first block: it is masked out, and never an unwritten (garbage) block.
-        key_blocks = tensor([t + [t[0]] * (widest - len(t)) for t in tables])
+        key_blocks = _tables(tables, device).long()  # padding repeats a row's own first block: masked out
         q_pos = tensor([n - 1 for n in lengths]).unsqueeze(1)
         span = widest * block_size
-        full = _mask(q_pos, span, None).unsqueeze(1) if any(n != span for n in lengths) else None
-        sliding = None
+        full_mask = _mask(q_pos, span, None).unsqueeze(1) if any(n != span for n in lengths) else None
+        sliding_mask = full_mask
         if window is not None and max(lengths) > window:
-            sliding = _mask(q_pos, span, window).unsqueeze(1)
-        batch.decode = DecodeGroup(len(decode_rows), key_blocks, full, sliding if sliding is not None else full)
+            sliding_mask = _mask(q_pos, span, window).unsqueeze(1)
+    p_begins, p_ends, p_blocks, p_full, p_sliding = [], [], [], [], []
+    cached = []
     for row in prefill_rows:
         begin = begins[id(row)]
-        t = row.end - row.start
-        fresh = row.start == 0
-        key_blocks = None if fresh else tensor(blocks(row))
-        span = row.end if fresh else len(key_blocks) * block_size
+        if row.start > 0 and paged:  # over cached blocks: all such rows in one paged prefill call
+            cached.append((begin, row))
+            continue
+        p_begins.append(begin)
+        p_ends.append(begin + row.end - row.start)
+        if row.start == 0:  # a fresh sequence: its keys are exactly the chunk's own
+            p_blocks.append(None)
+            p_full.append(None)
+            p_sliding.append(_mask(tensor(list(range(row.end))).unsqueeze(0), row.end, window).unsqueeze(1)
+                             if window is not None and row.end > window else None)
+            continue
+        row_blocks = tensor(blocks(row))
         q_pos = tensor(list(range(row.start, row.end))).unsqueeze(0)
-        full = None if fresh else _mask(q_pos, span, None).unsqueeze(1)
-        sliding = full
-        if window is not None and row.end > window:
-            sliding = _mask(q_pos, span, window).unsqueeze(1)
-        batch.prefills.append(PrefillRow(begin, begin + t, key_blocks, full, sliding))
-    return batch
+        full = _mask(q_pos, len(row_blocks) * block_size, None).unsqueeze(1)
+        p_blocks.append(row_blocks)
+        p_full.append(full)
+        p_sliding.append(_mask(q_pos, len(row_blocks) * block_size, window).unsqueeze(1)
+                         if window is not None and row.end > window else full)
+    paged_prefill = prefill_tables = None
+    if cached:
+        paged_prefill = torch.tensor([[b for b, _ in cached], [r.end - r.start for _, r in cached],
+                                      [r.end for _, r in cached]], dtype=torch.int32, device=device)
+        prefill_tables = _tables([blocks(r) for _, r in cached], device)
+    return ForwardBatch(
+        tensor(ids), tensor(positions), tensor(slots), tensor(logit_index), block_size, packed, deterministic,
+        len(decode_rows), span_first, span_length, key_blocks, full_mask, sliding_mask, block_tables, seq_lens,
+        p_begins, p_ends, p_blocks, p_full, p_sliding, paged_prefill, prefill_tables,
+        max((r.end - r.start for _, r in cached), default=0))

@@ -1,19 +1,31 @@
-"""Building blocks shared by the decoders: RMSNorm, rotary embeddings, attention over the KV cache, gated MLPs."""
-from __future__ import annotations
+"""Building blocks shared by the decoders: RMSNorm, rotary embeddings, linear layers, attention over the paged KV
+cache, gated MLPs.
 
+One definition serves every device and path: the modules run eagerly (GPU steps, captured in CUDA graphs per batch
+bucket), or scripted as one TorchScript call on CPU (engine/models/base.py), from the same code. Everything a layer
+needs of the step comes in its `ForwardBatch`.
+"""
+# No `from __future__ import annotations`: TorchScript reads the annotations of what it compiles as types.
 import math
-from typing import Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
-from .config import ModelConfig, RopeConfig
 from .batch import ForwardBatch
-from .kv_cache import PagedKVCache, window_span
+from .config import ModelConfig, RopeConfig
+from .kv_cache import gather_blocks, window_span, write_slots
+
+# Dense matmuls see row counts rounded up to a multiple of this: with every prompt length its own shape, the
+# allocator's and oneDNN's per-shape state kept growing (RSS +5% over 3000 requests, bench/rss_soak.py); with
+# 32 shapes up to a 512-token chunk it is flat. At most 15 rows of extra work. It also makes a row's result
+# independent of how many rows share the call (a single-row call would take a different kernel), which
+# deterministic steps rely on.
+DENSE_ROW_BUCKET = 16
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, doubled: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: Tensor, weight: Tensor, doubled: Tensor, eps: float) -> Tensor:
     """RMS norm of x [..., d] times `weight`, computed in float32; `doubled` is [weight, 0] in float32 (bf16 CPU path).
 
     bfloat16 on CPU: the RMS norm of x is the layer norm of [x, -x] (mean 0, variance mean(x^2)), and torch's fused
@@ -27,7 +39,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, doubled: torch.Tensor, eps: 
     return y[..., :d].contiguous()
 
 
-def doubled_norm_weight(weight: torch.Tensor) -> torch.Tensor:
+def doubled_norm_weight(weight: Tensor) -> Tensor:
     """[weight, 0] in float32: the layer-norm weight of `rms_norm`'s bfloat16 CPU path."""
     return torch.cat((weight.float(), torch.zeros_like(weight.float())))
 
@@ -38,19 +50,38 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.register_buffer("doubled", doubled_norm_weight(self.weight), persistent=False)
         self.eps = eps
-        self._doubled: tuple[torch.Tensor, torch.Tensor] | None = None  # (weight, its doubled_norm_weight)
 
-    def doubled(self) -> torch.Tensor:
-        if self._doubled is None or self._doubled[0] is not self.weight:
-            self._doubled = (self.weight, doubled_norm_weight(self.weight))
-        return self._doubled[1]
+    def refresh(self) -> None:
+        """Recompute what derives from the weight, once it is loaded."""
+        self.doubled = doubled_norm_weight(self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.doubled(), self.eps)
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.weight, self.doubled, self.eps)
 
 
-def rope_inv_freq(rope: RopeConfig, head_dim: int, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
+def dense_matmul(x: Tensor, w: Tensor, bias: Optional[Tensor] = None, bucket: int = DENSE_ROW_BUCKET) -> Tensor:
+    """x @ w^T (+ bias) with the rows padded to a multiple of `bucket`."""
+    m = x.shape[0]
+    pad = -m % bucket
+    return F.linear(x if pad == 0 else F.pad(x, (0, 0, 0, pad)), w, bias)[:m]
+
+
+class Linear(nn.Linear):
+    """A dense linear layer called like the packed ones (quant.PackedLinear): x [M, in] and the step's routing.
+
+    Deterministic steps on CPU pad the rows (dense_matmul): a one-row call would take a matrix-vector kernel whose
+    sums differ from the matrix-matrix one's.
+    """
+
+    def forward(self, x: Tensor, packed_rows: int = 0, deterministic: bool = False) -> Tensor:
+        if deterministic and x.is_cpu:
+            return dense_matmul(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int, freq_factors: Optional[Tensor] = None) -> Tensor:
     """Inverse frequencies [head_dim / 2] in float32, with llama3 or linear scaling applied."""
     inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if freq_factors is not None:  # llama.cpp stores llama3 scaling as per-frequency divisors
@@ -71,7 +102,7 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int, freq_factors: torch.Tensor | 
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos and sign-folded sin [N, 1, head_dim] of `positions` [N], the tables `apply_rope` takes."""
     angles = positions.float().unsqueeze(-1) * inv_freq
     cos, sin = angles.cos(), angles.sin()
@@ -79,13 +110,22 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.d
             torch.cat((-sin, sin), dim=-1).to(dtype).unsqueeze(-2))
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+class RopeTables(NamedTuple):
+    """cos / signed sin of a step's positions, for global layers and (gemma3) the local rope of sliding layers."""
+
+    cos: Tensor
+    sin: Tensor
+    local_cos: Tensor
+    local_sin: Tensor
+
+
+def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     """Rotate x [N, H, D] by cos / signed sin [N, 1, D]: x * cos + rotate_half(x) * sin in three ops."""
     return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), signed_sin)
 
 
-def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor],
-                     num_kv_heads: int, scale: float) -> torch.Tensor:
+def decode_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Optional[Tensor], num_kv_heads: int,
+                     scale: float) -> Tensor:
     """One query per row: q [B, H, D], keys/values [B, kv_heads, L, D], mask [B, 1, 1, L] → [B, H, D].
 
     Plain batched matmuls with the query heads of a KV group stacked: torch's fused CPU attention is tuned for long
@@ -105,7 +145,112 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return out.view(b, h, d).to(q.dtype)
 
 
-def gated_activation(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
+def exact_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Optional[Tensor], num_kv_heads: int,
+                    scale: float) -> Tensor:
+    """q [B, T, H, D], keys/values [B, kv_heads, L, D], mask [B, 1, T, L] bool (None: all visible) → [B, T, H, D].
+
+    Float64 throughout, rounded to q's dtype at the end: products of bfloat16 (or float32) values are exact in
+    float64, and the sums of a softmax or of its weighted values differ by a few float64 ulps between orders or
+    key paddings, far below what the rounding keeps. So a query's result is the same whatever its neighbours, its
+    row layout, its chunk or how its keys are laid out (deterministic steps).
+    """
+    b, t, h, d = q.shape[0], q.shape[1], q.shape[2], q.shape[3]
+    g = h // num_kv_heads
+    length = keys.shape[2]
+    qg = q.double().reshape(b, t, num_kv_heads, g, d).permute(0, 2, 1, 3, 4).reshape(b, num_kv_heads, t * g, d)
+    scores = torch.matmul(qg, keys.double().transpose(-1, -2)).mul_(scale)  # [B, kvh, T * g, L]
+    if mask is not None:
+        view = scores.view(b, num_kv_heads, t, g, length)
+        view.masked_fill_(~mask.reshape(b, 1, t, 1, length), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, values.double())  # [B, kvh, T * g, D]
+    return out.view(b, num_kv_heads, t, g, d).permute(0, 2, 1, 3, 4).reshape(b, t, h, d).to(q.dtype)
+
+
+def causal_mask(length: int, window: int, device: torch.device) -> Tensor:
+    """[1, 1, T, T] bool: query i sees keys j <= i (and i - j < window when window > 0)."""
+    pos = torch.arange(length, device=device)
+    mask = pos.unsqueeze(0) <= pos.unsqueeze(1)
+    if window > 0:
+        mask &= pos.unsqueeze(0) > pos.unsqueeze(1) - window
+    return mask.view(1, 1, length, length)
+
+
+@torch.jit.unused
+def _paged_decode(q: Tensor, keys: Tensor, values: Tensor, block_tables: Tensor, seq_lens: Tensor,
+                  block_size: int, scale: float, window: int) -> Tensor:
+    from .paged_attention import paged_decode_attention  # GPU steps run eagerly: never inside TorchScript
+
+    return paged_decode_attention(q, keys, values, block_tables, seq_lens, block_size, scale, window)
+
+
+@torch.jit.unused
+def _paged_prefill(q: Tensor, keys: Tensor, values: Tensor, tables: Tensor, rows: Tensor, block_size: int,
+                   scale: float, window: int, max_query: int, out: Tensor) -> Tensor:
+    from .paged_attention import paged_prefill_attention
+
+    return paged_prefill_attention(q, keys, values, tables, rows[2], rows[1], rows[0], block_size, scale,
+                                   window, out=out, max_query_len=max_query)
+
+
+def attend_decode(q: Tensor, keys: Tensor, values: Tensor, batch: ForwardBatch, window: int, scale: float,
+                  num_kv_heads: int) -> Tensor:
+    """Attention of the batch's decode rows q [Bd, H, D] over their cached keys → [Bd, H, D]."""
+    tables, lengths = batch.block_tables, batch.seq_lens  # locals: TorchScript refines Optional types of names only
+    if tables is not None and lengths is not None:
+        return _paged_decode(q, keys, values, tables, lengths, batch.block_size, scale, window)
+    if batch.span_length > 0:  # one row whose keys are consecutive slots, read in place; only the window's visible
+        first, length = window_span(batch.span_first, batch.span_length, window)
+        k_all, v_all = keys[:, first:first + length].unsqueeze(0), values[:, first:first + length].unsqueeze(0)
+        mask: Optional[Tensor] = None
+    else:
+        key_blocks = batch.key_blocks
+        assert key_blocks is not None
+        k_all = gather_blocks(keys, key_blocks, batch.block_size)
+        v_all = gather_blocks(values, key_blocks, batch.block_size)
+        mask = batch.sliding_mask if window > 0 else batch.full_mask
+    if batch.deterministic:
+        return exact_attention(q.unsqueeze(1), k_all, v_all, mask, num_kv_heads, scale)[:, 0]
+    return decode_attention(q, k_all, v_all, mask, num_kv_heads, scale)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, batch: ForwardBatch, window: int,
+           scale: float, num_kv_heads: int) -> Tensor:
+    """Attention of every new token q [N, H, D] (its own k, v [N, kv_heads, D] already in the cache) → [N, H, D]."""
+    n, bd = q.shape[0], batch.decode_rows
+    if bd == n:  # a pure decode step, the common case
+        return attend_decode(q, keys, values, batch, window, scale, num_kv_heads)
+    out = torch.empty_like(q)
+    if bd > 0:
+        out[:bd] = attend_decode(q[:bd], keys, values, batch, window, scale, num_kv_heads)
+    gqa = num_kv_heads != q.shape[1]
+    for i in range(len(batch.prefill_begins)):
+        begin, end = batch.prefill_begins[i], batch.prefill_ends[i]
+        key_blocks = batch.prefill_key_blocks[i]
+        mask = batch.prefill_sliding_masks[i] if window > 0 else batch.prefill_full_masks[i]
+        if key_blocks is None:
+            row_keys, row_values = k[begin:end].transpose(0, 1), v[begin:end].transpose(0, 1)
+        else:
+            row_keys = gather_blocks(keys, key_blocks, batch.block_size)
+            row_values = gather_blocks(values, key_blocks, batch.block_size)
+        if batch.deterministic:
+            if mask is None:
+                mask = causal_mask(end - begin, window, q.device)
+            out[begin:end] = exact_attention(q[begin:end].unsqueeze(0), row_keys.unsqueeze(0),
+                                             row_values.unsqueeze(0), mask, num_kv_heads, scale)[0]
+            continue
+        o = F.scaled_dot_product_attention(
+            q[begin:end].transpose(0, 1).unsqueeze(0), row_keys.unsqueeze(0), row_values.unsqueeze(0),
+            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa)
+        out[begin:end] = o[0].transpose(0, 1)
+    paged, tables = batch.paged_prefill, batch.prefill_tables
+    if paged is not None and tables is not None:  # the rows over cached blocks (GPU)
+        out = _paged_prefill(q, keys, values, tables, paged, batch.block_size, scale, window,
+                             batch.prefill_max_query, out)
+    return out
+
+
+def gated_activation(gate_up: Tensor, gelu: bool) -> Tensor:
     """act(gate) * up of the concatenated [gate, up] projection: SwiGLU, or GeGLU with tanh GELU."""
     gate, up = gate_up.chunk(2, dim=-1)
     gate = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
@@ -117,55 +262,34 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.layer, self.cfg = layer, cfg
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         # q, k and v in one matmul (the loader concatenates the checkpoint's three projections).
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
-        self.rope = "local" if cfg.layer_is_sliding[layer] and cfg.local_rope else "global"
-        self.sliding = cfg.layer_is_sliding[layer]
+        self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.qk_norm = bool(cfg.qk_norm)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else nn.Identity()
+        self.sliding = bool(cfg.layer_is_sliding[layer])
+        self.local_rope = self.sliding and cfg.local_rope is not None
+        self.window = int(cfg.sliding_window or 0) if self.sliding else 0
+        self.scale = float(cfg.query_scale)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
-        """x [N, hidden]: the flat new tokens of every row of `batch`."""
-        n = x.shape[0]
-        qkv = self.qkv_proj(x).view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        qk, v = qkv[:, :self.num_heads + self.num_kv_heads], qkv[:, self.num_heads + self.num_kv_heads:]
-        if self.q_norm is not None:
-            qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
-        qk = apply_rope(qk, *batch.rope[self.rope])  # q and k heads rotated together
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        cache.write(self.layer, batch.slots, k, v)
-        out = None
-        if (group := batch.decode) is not None:
-            if group.key_span is not None:
-                # only the window's keys are visible
-                first, length = window_span(*group.key_span, self.cfg.sliding_window if self.sliding else 0)
-                keys, values = cache.span(self.layer, first, length)
-                mask = None
-            else:
-                keys, values = cache.gather(self.layer, group.key_blocks)  # [Bd, kv_heads, L, D]
-                mask = group.sliding_mask if self.sliding else group.full_mask
-            o = decode_attention(q[:group.size], keys, values, mask, self.num_kv_heads, self.cfg.query_scale)
-            if group.size == n:  # a pure decode step, the common case
-                return self.o_proj(o.reshape(n, -1))
-            out = torch.empty_like(q)
-            out[:group.size] = o
-        out = torch.empty_like(q) if out is None else out
-        for row in batch.prefills:
-            if row.key_blocks is None:  # a fresh sequence: its keys are exactly the chunk's own
-                keys, values = k[row.begin:row.end].transpose(0, 1), v[row.begin:row.end].transpose(0, 1)
-            else:
-                keys, values = cache.gather(self.layer, row.key_blocks)
-            mask = row.sliding_mask if self.sliding else row.full_mask
-            o = F.scaled_dot_product_attention(
-                q[row.begin:row.end].transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                attn_mask=mask, is_causal=mask is None, scale=self.cfg.query_scale,
-                enable_gqa=self.num_kv_heads != self.num_heads)
-            out[row.begin:row.end] = o[0].transpose(0, 1)
-        return self.o_proj(out.view(n, -1))
+    def forward(self, x: Tensor, batch: ForwardBatch, rope: RopeTables, keys: Tensor, values: Tensor) -> Tensor:
+        """x [N, hidden]: the flat new tokens of every row of `batch`; keys/values: this layer's cache."""
+        n, h, kvh = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x, batch.packed_rows, batch.deterministic).view(n, h + 2 * kvh, self.head_dim)
+        qk, v = qkv[:, :h + kvh], qkv[:, h + kvh:]
+        if self.qk_norm:
+            qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
+        if self.local_rope:
+            qk = apply_rope(qk, rope.local_cos, rope.local_sin)  # q and k heads rotated together
+        else:
+            qk = apply_rope(qk, rope.cos, rope.sin)
+        q, k = qk[:, :h], qk[:, h:]
+        write_slots(keys, values, batch.slots, k, v)
+        out = attend(q, k, v, keys, values, batch, self.window, self.scale, kvh)
+        return self.o_proj(out.reshape(n, -1), batch.packed_rows, batch.deterministic)
 
 
 class GatedMLP(nn.Module):
@@ -174,9 +298,27 @@ class GatedMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         # gate and up in one matmul (the loader concatenates the checkpoint's two projections).
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gelu = cfg.hidden_act == "gelu_tanh"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gated_activation(self.gate_up_proj(x), self.gelu))
+    def forward(self, x: Tensor, packed_rows: int, deterministic: bool) -> Tensor:
+        gate_up = self.gate_up_proj(x, packed_rows, deterministic)
+        return self.down_proj(gated_activation(gate_up, self.gelu), packed_rows, deterministic)
+
+
+class DecoderStack(nn.Module):
+    """Every layer of a step: x [N, hidden] of the flat batch in, the last layer's output out. Not a submodule of
+    the model (it holds the model's own layers), so the same layers run eagerly or scripted (engine/models/base.py)."""
+
+    def __init__(self, layers: nn.ModuleList) -> None:
+        super().__init__()
+        self.layers = layers
+
+    def forward(self, x: Tensor, batch: ForwardBatch, rope: RopeTables, keys: List[Tensor],
+                values: List[Tensor]) -> Tensor:
+        i = 0
+        for layer in self.layers:
+            x = layer(x, batch, rope, keys[i], values[i])
+            i += 1
+        return x

@@ -135,6 +135,7 @@ def _materialise(cfg: ModelConfig, state: dict[str, Any], device: torch.device, 
     if cfg.tie_embeddings and quant == "none":
         converted["lm_head.weight"] = converted["embed_tokens.weight"]
     model.load_state_dict(converted, assign=True, strict=quant == "none")
+    model.refresh()
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta and n in expected]
     if left:
         raise ModelFormatError(f"{source}: no weights for {left[:5]}")
@@ -185,13 +186,16 @@ def kv_cache_tokens(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, 
 def load_runner(source: str | os.PathLike[str], device: str | torch.device = "cpu",
                 dtype: str | torch.dtype | None = None, max_context: int | None = None,
                 kv_cache_memory: int | None = None, prefix_caching: bool = True,
-                quant: str | None = None, progress: Progress = no_progress, dense_prefill: bool = True) -> Runner:
+                quant: str | None = None, progress: Progress = no_progress, dense_prefill: bool = True,
+                deterministic: bool = False) -> Runner:
     """A ready Runner for a known model name, a .gguf file, or a safetensors directory.
 
     `kv_cache_memory` (bytes) sizes the paged KV pool; `prefix_caching` lets prompts reuse cached prefixes;
     `quant` ("none", "int8", "int4"; default per device and source, see `resolve_quant`) keeps weights compressed;
     `progress(stage, done, total)` is told as tensors are read and packed; `dense_prefill` keeps a bfloat16 copy
-    of quantized layer weights for calls of many rows (prefill), twice as fast there for 2 bytes per weight more.
+    of quantized layer weights for calls of many rows (prefill), twice as fast there for 2 bytes per weight more;
+    `deterministic` sends every token through the same kernels (CPU only), so that logits do not depend on
+    chunking, batching or the prefix cache (no dense copy is kept then: it would never be used).
     """
     device = torch.device(device)
     name, defaults, template = str(source), {}, None
@@ -219,10 +223,11 @@ def load_runner(source: str | os.PathLike[str], device: str | torch.device = "cp
     if template is not None:
         tokenizer.set_chat_template(template)
     model = _materialise(cfg, state, device, dtype, quant, requantize_floats=path.is_dir(), source=str(path),
-                        progress=progress, dense_prefill=dense_prefill)
+                        progress=progress, dense_prefill=dense_prefill and not deterministic)
     _rebuild_buffers(model, device, freq_factors)
     context = max_context or cfg.max_position
     _return_freed_memory()
     return Runner(model, tokenizer, name=name if known else path.name, device=device, dtype=dtype, quant=quant,
                   max_context=max_context, generation_defaults=defaults, prefix_caching=prefix_caching,
+                  deterministic=deterministic,
                   kv_cache_tokens=kv_cache_tokens(cfg, dtype, device, context, kv_cache_memory))

@@ -2,26 +2,20 @@
 
 The matmuls are torch's CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`), which are fast with
 bfloat16 activations. 4-bit GGUF blocks (Q4_0, Q4_1, Q4_K) map exactly onto the int4 format; other sources are
-quantized round-to-nearest here.
+quantized round-to-nearest here. The linears are scripted with the rest of the decoder stack (engine/layers.py).
 """
-from __future__ import annotations
-
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+# No `from __future__ import annotations`: TorchScript reads the linears' annotations as types.
 from dataclasses import dataclass
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
+
+from .layers import DENSE_ROW_BUCKET, dense_matmul
 
 GROUP_SIZE = 32          # input elements sharing one int4 scale/offset (ggml's block and sub-block size)
 _INT4_ROW_MULTIPLE = 16  # the int4 CPU kernel packs output rows in tiles of 16
-DENSE_MIN_ROWS = 32      # rows from which a dense bfloat16 matmul beats the packed kernels on CPU
-# Dense matmuls see row counts rounded up to a multiple of this: with every prompt length its own shape, the
-# allocator's and oneDNN's per-shape state kept growing (RSS +5% over 3000 requests, bench/rss_soak.py); with
-# 32 shapes up to a 512-token chunk it is flat (+0.4% from request 100 to 1000). At most 15 rows of extra work.
-DENSE_ROW_BUCKET = 16
 QUANT_MODES = ("none", "int8", "int4")
 
 
@@ -41,12 +35,12 @@ class Affine4Bit:
         groups = self.codes.float().view(*self.scale.shape, GROUP_SIZE)
         return (groups * self.scale.unsqueeze(-1) + self.offset.unsqueeze(-1)).view(self.codes.shape)
 
-    def map_rows(self, fn) -> Affine4Bit:
+    def map_rows(self, fn) -> "Affine4Bit":
         """The same weights with `fn` (a row permutation or selection) applied to every part."""
         return Affine4Bit(fn(self.codes), fn(self.scale), fn(self.offset))
 
     @staticmethod
-    def cat(parts: list[Affine4Bit]) -> Affine4Bit:
+    def cat(parts: "list[Affine4Bit]") -> "Affine4Bit":
         return Affine4Bit(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scale", "offset")))
 
 
@@ -75,32 +69,8 @@ def quantize_int8(w: torch.Tensor, rows_per_chunk: int = 4096) -> tuple[torch.Te
     return codes, scale
 
 
-def int4_supported(shape: tuple[int, ...] | torch.Size) -> bool:
+def int4_supported(shape) -> bool:
     return len(shape) == 2 and shape[1] % GROUP_SIZE == 0
-
-
-_split = threading.local()  # per thread: each worker thread runs its own model
-
-
-@contextmanager
-def packed_rows(n: int) -> Iterator[None]:
-    """Within: every PackedLinear with a dense copy runs the first `n` rows of a call (a batch's decode tokens and
-    short chunks, see batch.ForwardBatch) through its packed kernel and the rest (long chunks) through the dense
-    copy. A token then gets the same numbers whatever shares its batch; outside, the choice goes by the call's size.
-    """
-    previous = getattr(_split, "rows", None)
-    _split.rows = n
-    try:
-        yield
-    finally:
-        _split.rows = previous
-
-
-def dense_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w^T with the rows padded to a multiple of DENSE_ROW_BUCKET."""
-    m = x.shape[0]
-    pad = -m % DENSE_ROW_BUCKET
-    return F.linear(x if pad == 0 else F.pad(x, (0, 0, 0, pad)), w)[:m]
 
 
 def int4_matmul(x: torch.Tensor, weight: torch.Tensor, scale_and_zero: torch.Tensor, out_features: int) -> torch.Tensor:
@@ -115,38 +85,32 @@ class PackedLinear(nn.Module):
 
     The packed kernels read few bytes per weight, which is what a decode step of a few rows is bound by; for a
     prefill chunk a dense bfloat16 matmul is 2-2.5x faster (bench/matmul_formats.py), so a layer given `keep_dense`
-    uses its dequantized copy there: the same weights, two bytes more per weight. See `packed_rows`.
+    uses its dequantized copy there: the same weights, two bytes more per weight. A call runs its first
+    `packed_rows` rows (the batch's decode tokens and short chunks, see batch.ForwardBatch) through the packed
+    kernel and the rest through the dense copy, so a token gets the same numbers whatever shares its batch.
     """
 
     out_features: int
     in_features: int
-    bias: torch.Tensor | None
-    dense: torch.Tensor | None
+    bias: Optional[Tensor]
+    dense: Optional[Tensor]
 
-    def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def packed_matmul(self, x: Tensor) -> Tensor:
         """x [M, in] @ w^T with the packed weights."""
         raise NotImplementedError
 
-    def _hot_path(self) -> None:
-        """Plain attributes for what every call reads: a buffer lookup goes through nn.Module.__getattr__, a few
-        microseconds per layer of a decode step. The modules are built where they run and never moved."""
-        self.__dict__["_dense"], self.__dict__["_bias"] = self.dense, self.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        m, dense = flat.shape[0], self._dense
-        packed = m if dense is None else getattr(_split, "rows", None)
-        if packed is None:
-            packed = m if m < DENSE_MIN_ROWS else 0
-        if packed >= m:
-            y = self.packed_matmul(flat)
-        elif packed == 0:
-            y = dense_matmul(flat, dense)
+    def forward(self, x: Tensor, packed_rows: int = 1 << 30, deterministic: bool = False) -> Tensor:
+        """x [M, in]; its first `packed_rows` rows take the packed kernel (all of them when there is no dense copy)."""
+        dense = self.dense
+        m = x.shape[0]
+        if dense is None or packed_rows >= m:
+            y = self.packed_matmul(x)
+        elif packed_rows <= 0:
+            y = dense_matmul(x, dense)
         else:
-            y = torch.cat((self.packed_matmul(flat[:packed]), dense_matmul(flat[packed:], dense)))
-        if flat is not x:
-            y = y.view(*x.shape[:-1], self.out_features)
-        return y if self._bias is None else y + self._bias
+            y = torch.cat((self.packed_matmul(x[:packed_rows]), dense_matmul(x[packed_rows:], dense)))
+        bias = self.bias
+        return y if bias is None else y + bias
 
 
 class Int8Linear(PackedLinear):
@@ -161,11 +125,9 @@ class Int8Linear(PackedLinear):
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
         dense = (codes.float() * self.scale.float().unsqueeze(1)).to(dtype) if keep_dense else None
         self.register_buffer("dense", dense)
-        self._hot_path()
-        self.__dict__["_kernel"] = (self.weight, self.scale)
 
-    def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, *self._kernel)
+    def packed_matmul(self, x: Tensor) -> Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale)
 
 
 class Int4Linear(PackedLinear):
@@ -188,11 +150,9 @@ class Int4Linear(PackedLinear):
             groups = (weight.codes.float() - 8).view(self.out_features, -1, GROUP_SIZE)
             dense = (groups * s[:self.out_features] + z[:self.out_features]).view(weight.shape).to(dtype)
         self.register_buffer("dense", dense)
-        self._hot_path()
-        self.__dict__["_kernel"] = (self.weight, self.scale_and_zero)
 
-    def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return int4_matmul(x, *self._kernel, self.out_features)
+    def packed_matmul(self, x: Tensor) -> Tensor:
+        return int4_matmul(x, self.weight, self.scale_and_zero, self.out_features)
 
 
 class Int8Embedding(nn.Module):
@@ -205,7 +165,7 @@ class Int8Embedding(nn.Module):
         self.dtype = dtype
 
     @classmethod
-    def sharing(cls, head: Int8Linear, dtype: torch.dtype) -> Int8Embedding:
+    def sharing(cls, head: "Int8Linear", dtype: torch.dtype) -> "Int8Embedding":
         """An embedding reading the (tied) output projection's int8 table: one copy in memory for both."""
         return cls(head.weight, head.scale, dtype)
 

@@ -12,6 +12,7 @@ import torch
 
 from .batch import StepRow, build_batch
 from .block_manager import BlockManager, KVSequence
+from .cuda_graphs import DecodeGraphs, table_width
 from .config import ModelConfig
 from .errors import ContextLengthError, RowError
 from .kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
@@ -43,8 +44,16 @@ class Runner:
     def __init__(self, model: DecoderModel, tokenizer: Tokenizer, *, name: str, device: torch.device,
                  dtype: torch.dtype, quant: str = "none", max_context: int | None = None,
                  generation_defaults: dict[str, Any] | None = None, kv_cache_tokens: int | None = None,
-                 block_size: int = DEFAULT_BLOCK_SIZE, prefix_caching: bool = True) -> None:
+                 block_size: int = DEFAULT_BLOCK_SIZE, prefix_caching: bool = True,
+                 deterministic: bool = False) -> None:
         self.model, self.tokenizer, self.name = model, tokenizer, name
+        # Every token through the same kernels, whatever shares its step (see batch.ForwardBatch); CPU only.
+        if deterministic and device.type != "cpu":
+            raise ValueError(f"deterministic steps run on CPU only, not on {device.type}: the GPU matmul kernels "
+                             "pick their reduction order by batch shape")
+        self.deterministic = deterministic
+        # On a GPU decode rows (and prefill over cached blocks) read the cache through the paged kernels.
+        self.paged_attention = device.type == "cuda"
         self.config: ModelConfig = model.cfg
         self.device, self.dtype, self.quant = device, dtype, quant
         trained = self.config.max_position
@@ -59,7 +68,10 @@ class Runner:
                         num_blocks * block_size, self.context_size)
             self.context_size = num_blocks * block_size
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
-        self.cache = PagedKVCache(self.config, num_blocks, block_size, dtype, device)
+        # On a GPU one spare block past the manager's: CUDA-graph padding rows write there (engine/cuda_graphs.py).
+        spare = 1 if device.type == "cuda" else 0
+        self.cache = PagedKVCache(self.config, num_blocks + spare, block_size, dtype, device)
+        self.graphs: DecodeGraphs | None = None
         self._session: KVSequence | None = None
         self._released: queue.SimpleQueue[KVSequence] = queue.SimpleQueue()  # snapshots collected by the GC
 
@@ -141,13 +153,26 @@ class Runner:
         for row in rows:
             self.blocks.allocate(row.seq, row.end)
         self.cache.copy_blocks(self.blocks.take_copies())
-        batch = build_batch(rows, self.blocks.block_size, self.config.sliding_window, self.device)
-        self.model.add_rope(batch, self.dtype)
-        logits = self.model(batch, self.cache)
+        if self.graphs is not None and self.graphs.serves(rows):
+            logits = self.graphs.run(rows)
+        else:
+            batch = build_batch(rows, self.blocks.block_size, self.config.sliding_window, self.device,
+                                paged=self.paged_attention, deterministic=self.deterministic)
+            logits = self.model(batch, self.cache)
         for row in rows:
             row.seq.num_computed = row.end
             self.blocks.commit(row.seq)
         return logits
+
+    def capture_cuda_graphs(self, max_batch: int) -> float:
+        """Capture decode steps of up to `max_batch` rows as CUDA graphs (engine/cuda_graphs.py); returns the
+        seconds it took. GPU only."""
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {self.device.type}")
+        bs = self.blocks.block_size
+        self.graphs = DecodeGraphs(self.model, self.cache, max_batch, table_width(self.context_size, bs),
+                                   trash_slot=self.blocks.num_blocks * bs)
+        return self.graphs.capture()
 
     # ---- one session ----
     def _start_session(self, seq: KVSequence | None) -> None:

@@ -1,15 +1,27 @@
-"""`DecoderModel`: embedding, a stack of family blocks, final norm and LM head, run over a flat `ForwardBatch`."""
+"""`DecoderModel`: embedding, a stack of family blocks, final norm and LM head, run over a flat `ForwardBatch`.
+
+The stack of blocks runs as one TorchScript call on CPU: the same modules compiled (engine/layers.py), bit-identical
+to running them eagerly. A step is some 40 small operator calls per layer; from Python each costs dispatch overhead
+and each releases and re-takes the GIL, so in a server every step queued behind the event loop's Python again and
+again (an 8-row step: 19.5 ms alone, 21-23 ms beside a thread running Python for 0.1-0.4 ms of every 3). Scripted,
+they run in TorchScript's interpreter with the GIL released throughout. On other devices the modules run eagerly
+(captured in CUDA graphs for decode steps, engine/cuda_graphs.py).
+"""
 from __future__ import annotations
+
+import logging
+import time
+import warnings
 
 import torch
 from torch import nn
 
-from ..config import ModelConfig
 from ..batch import ForwardBatch
+from ..config import ModelConfig
 from ..kv_cache import PagedKVCache
-from ..layers import RMSNorm, rope_cos_sin, rope_inv_freq
-from ..quant import packed_rows
-from ..scripted_decode import script_decoder
+from ..layers import DecoderStack, Linear, RMSNorm, RopeTables, rope_cos_sin, rope_inv_freq
+
+log = logging.getLogger("emberserve.engine")
 
 
 class DecoderModel(nn.Module):
@@ -21,59 +33,66 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(block_cls(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
         local = rope_inv_freq(cfg.local_rope, cfg.head_dim) if cfg.local_rope else None
         self.register_buffer("local_inv_freq", local, persistent=False)
-        # Pure decode steps on CPU run the layers as one TorchScript call (engine/scripted_decode.py), built on the
-        # first such step; False keeps every step on the eager modules.
-        self.script_decode = True
-        self.__dict__["_scripted"] = None  # not a submodule: it shares the layers' tensors
+        # On CPU the stack runs scripted, built on the first step; False keeps it eager everywhere.
+        self.script = True
+        self.__dict__["_stack"] = DecoderStack(self.layers)  # not submodules: they are the model's own layers
+        self.__dict__["_scripted"] = None
 
-    def add_rope(self, batch: ForwardBatch, dtype: torch.dtype) -> None:
-        """cos/sin of the batch's positions for each rope kind its layers use."""
-        batch.rope["global"] = rope_cos_sin(self.inv_freq, batch.positions, dtype)
-        if self.local_inv_freq is not None:
-            batch.rope["local"] = rope_cos_sin(self.local_inv_freq, batch.positions, dtype)
+    def refresh(self) -> None:
+        """Recompute what derives from loaded weights (the norms' bfloat16 CPU tables)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.refresh()
 
-    def _scripted_layers(self) -> torch.jit.ScriptModule | None:
-        """The scripted decode layers, built on first use (None: off, or this model has no scripted form)."""
-        if not self.script_decode:
-            return None
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        cos, sin = rope_cos_sin(self.inv_freq, positions, dtype)
+        if self.local_inv_freq is None:
+            return RopeTables(cos, sin, cos, sin)
+        return RopeTables(cos, sin, *rope_cos_sin(self.local_inv_freq, positions, dtype))
+
+    def stack(self, scripted: bool) -> nn.Module:
+        """The module that runs the layers: scripted (built on first use) if asked and possible, else the eager one."""
+        if not (scripted and self.script):
+            return self._stack
         if self._scripted is None:
-            self.__dict__["_scripted"] = script_decoder(self.layers) or False
-        return self._scripted or None
-
-    def _scripted_step(self, scripted: torch.jit.ScriptModule, x: torch.Tensor, batch: ForwardBatch,
-                       cache: PagedKVCache) -> torch.Tensor:
-        group = batch.decode
-        first, length = group.key_span if group.key_span is not None else (0, 0)
-        cos, sin = batch.rope["global"]
-        local_cos, local_sin = batch.rope.get("local", (cos, sin))
-        # Unoptimized execution: the same speed here, without the profiling executor's re-optimizing runs (0.6-0.9 s
-        # each) on the first calls.
-        with torch.jit.optimized_execution(False):
-            return scripted(x, cos, sin, local_cos, local_sin, batch.slots, cache.keys, cache.values, first, length,
-                            group.key_blocks, group.full_mask, group.sliding_mask, cache.block_size)
+            self.__dict__["_scripted"] = _script(self._stack) or False
+        return self._scripted or self._stack
 
     def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
         """Float32 logits [R, vocab] at the batch's `logit_index` positions."""
         x = self.embed_tokens(batch.ids)
         if self.cfg.embed_scale != 1.0:
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
-        decode = batch.decode
-        scripted = None
-        if decode is not None and not batch.prefills and x.is_cpu:
-            scripted = self._scripted_layers()
-        if scripted is not None:
-            x = self._scripted_step(scripted, x, batch, cache)
-        else:
-            with packed_rows(batch.packed_tokens):
-                for layer in self.layers:
-                    x = layer(x, batch, cache)
+        rope = self.rope_tables(batch.positions, x.dtype)
+        # Unoptimized execution: the same speed here, without the profiling executor's re-optimizing runs (0.6-0.9 s
+        # each) on the first calls of a scripted stack; nothing for an eager one.
+        with torch.jit.optimized_execution(False):
+            # (paged batches call the Triton kernels, which only the eager stack can: GPU steps, or tests)
+            scriptable = x.is_cpu and batch.block_tables is None and batch.paged_prefill is None
+            x = self.stack(scriptable)(x, batch, rope, cache.keys, cache.values)
         x = self.norm(x.index_select(0, batch.logit_index))
-        logits = self.lm_head(x).float()
+        logits = self.lm_head(x, x.shape[0], batch.deterministic).float()
         if self.cfg.final_logit_softcap:
             cap = self.cfg.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+def _script(stack: DecoderStack) -> torch.jit.ScriptModule | None:
+    """The stack scripted, or None when a layer has no scripted form (then the eager path serves)."""
+    started = time.perf_counter()
+    try:
+        with warnings.catch_warnings():
+            # TorchScript is deprecated in favour of torch.compile, which does not pay here: compiled per layer, its
+            # guards cost what it saves; compiled per step, it takes ~47 s and recompiles as the context grows.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            scripted = torch.jit.script(stack)
+    except (TypeError, ValueError, AssertionError, RuntimeError) as e:
+        log.warning("the decoder stack stays eager: %s", e)
+        return None
+    log.debug("scripted the decoder stack in %.2f s", time.perf_counter() - started)
+    return scripted

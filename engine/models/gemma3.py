@@ -1,13 +1,10 @@
 """The gemma3 decoder block: sandwich norms around attention and MLP, q/k norms, GeGLU, sliding/global layers."""
-from __future__ import annotations
+# No `from __future__ import annotations`: the block is compiled by TorchScript (engine/layers.py).
+from torch import Tensor, nn
 
-import torch
-from torch import nn
-
-from ..config import ModelConfig
 from ..batch import ForwardBatch
-from ..kv_cache import PagedKVCache
-from ..layers import Attention, GatedMLP, RMSNorm
+from ..config import ModelConfig
+from ..layers import Attention, GatedMLP, RMSNorm, RopeTables
 
 
 class Gemma3Block(nn.Module):
@@ -22,6 +19,7 @@ class Gemma3Block(nn.Module):
         self.mlp = GatedMLP(cfg)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), batch, cache))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+    def forward(self, x: Tensor, batch: ForwardBatch, rope: RopeTables, keys: Tensor, values: Tensor) -> Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), batch, rope, keys, values))
+        mlp = self.mlp(self.pre_feedforward_layernorm(x), batch.packed_rows, batch.deterministic)
+        return x + self.post_feedforward_layernorm(mlp)

@@ -1,13 +1,10 @@
 """The llama decoder block, which also covers qwen2 (q/k/v biases) and qwen3 (q/k norms) through config flags."""
-from __future__ import annotations
+# No `from __future__ import annotations`: the block is compiled by TorchScript (engine/layers.py).
+from torch import Tensor, nn
 
-import torch
-from torch import nn
-
-from ..config import ModelConfig
 from ..batch import ForwardBatch
-from ..kv_cache import PagedKVCache
-from ..layers import Attention, GatedMLP, RMSNorm
+from ..config import ModelConfig
+from ..layers import Attention, GatedMLP, RMSNorm, RopeTables
 
 
 class LlamaBlock(nn.Module):
@@ -20,6 +17,6 @@ class LlamaBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = GatedMLP(cfg)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: Tensor, batch: ForwardBatch, rope: RopeTables, keys: Tensor, values: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, rope, keys, values)
+        return x + self.mlp(self.post_attention_layernorm(x), batch.packed_rows, batch.deterministic)

@@ -22,8 +22,10 @@ from engine import load_runner
 from engine.loader import resolve_quant
 from engine.quality import compare
 from engine.batch import StepRow
-from engine.quant import (DENSE_MIN_ROWS, GROUP_SIZE, Affine4Bit, Int4Linear, Int8Embedding, Int8Linear,
-                          dense_matmul, packed_rows, quantize_4bit, quantize_int8, quantized_linear)
+from engine.batch import DENSE_MIN_ROWS
+from engine.layers import dense_matmul
+from engine.quant import (GROUP_SIZE, Affine4Bit, Int4Linear, Int8Embedding, Int8Linear, quantize_4bit, quantize_int8,
+                          quantized_linear)
 from engine.registry import KNOWN_MODELS
 from engine.weights.dequant import affine_4bit, dequantize
 from engine.weights.gguf_format import GGUFFile
@@ -150,14 +152,12 @@ def test_packed_rows_send_decode_rows_to_the_kernel_and_prefill_rows_to_the_dens
     x = torch.randn(40, 576).bfloat16()
     alone_decode = torch.cat([module.packed_matmul(x[i:i + 1]) for i in range(3)])
     alone_prefill = dense_matmul(x[3:], module.dense)
-    with packed_rows(3):
-        mixed = module(x)
+    mixed = module(x, 3)
     assert torch.equal(mixed[:3], alone_decode) and torch.equal(mixed[3:], alone_prefill)
-    with packed_rows(0):  # a prefill chunk shorter than DENSE_MIN_ROWS still takes the dense copy
-        assert torch.equal(module(x[3:8]), dense_matmul(x[3:8], module.dense))
-    # Outside a batch the size decides.
-    assert torch.equal(module(x[:DENSE_MIN_ROWS - 1]), module.packed_matmul(x[:DENSE_MIN_ROWS - 1]))
-    assert torch.equal(module(x[:DENSE_MIN_ROWS]), dense_matmul(x[:DENSE_MIN_ROWS], module.dense))
+    # a prefill chunk shorter than DENSE_MIN_ROWS still takes the dense copy when the batch says so
+    assert torch.equal(module(x[3:8], 0), dense_matmul(x[3:8], module.dense))
+    # called without a batch's routing, every row takes the packed kernel
+    assert torch.equal(module(x[:DENSE_MIN_ROWS]), module.packed_matmul(x[:DENSE_MIN_ROWS]))
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])

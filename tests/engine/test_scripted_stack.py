@@ -1,8 +1,9 @@
-"""The scripted decode step (engine/scripted_decode.py) against the eager modules: bit-identical logits.
+"""The scripted decoder stack (engine/models/base.py) against the same modules run eagerly: bit-identical logits.
 
-Every tiny family in float32 (the exact path), bfloat16 with int4 and with int8 weights; one row reading its keys
-in place, one row gathered from scattered blocks, several rows with masks, gemma3 past its sliding window (8).
-The eager reference is the same model with `script_decode` off; the scripted module is checked to have run.
+Every tiny family in float32 (the exact path), bfloat16 with int4 and with int8 weights; decode steps with one row
+reading its keys in place, one row gathered from scattered blocks, several rows with masks, gemma3 past its
+sliding window (8); and steps mixing prefill chunks (fresh and over cached blocks) with decode rows. The eager
+reference is the same model with `script` off; the scripted module is checked to have run.
 """
 from __future__ import annotations
 
@@ -22,17 +23,17 @@ class CountingScript:
     def __init__(self, scripted: torch.jit.ScriptModule) -> None:
         self.scripted, self.calls, self.in_place = scripted, 0, []
 
-    def __call__(self, *args):
+    def __call__(self, x, batch, *args):
         self.calls += 1
-        self.in_place.append(args[9] > 0)  # span_length
-        return self.scripted(*args)
+        self.in_place.append(batch.span_length > 0)
+        return self.scripted(x, batch, *args)
 
 
 def _runner(tiny, dtype: str, quant: str, scripted: bool):
     runner = load_runner(str(tiny.safetensors_dir), dtype=dtype, quant=quant)
-    runner.model.script_decode = scripted
+    runner.model.script = scripted
     if scripted:
-        runner.model.__dict__["_scripted"] = CountingScript(runner.model._scripted_layers())
+        runner.model.__dict__["_scripted"] = CountingScript(runner.model.stack(scripted=True))
     return runner
 
 
@@ -66,20 +67,30 @@ def test_scripted_decode_equals_the_eager_modules(tiny_zoo, variant, dtype, quan
     eager = _decode(_runner(tiny, dtype, quant, scripted=False), tiny, lengths, steps, spacer)
     runner = _runner(tiny, dtype, quant, scripted=True)
     scripted = _decode(runner, tiny, lengths, steps, spacer)
-    assert runner.model._scripted.calls == steps
-    assert runner.model._scripted.in_place == [len(lengths) == 1 and not spacer] * steps
+    assert runner.model._scripted.calls == steps + 1 + spacer  # the prefills ran scripted too
+    assert runner.model._scripted.in_place[-steps:] == [len(lengths) == 1 and not spacer] * steps
     assert torch.equal(scripted, eager)
 
 
-def test_steps_with_prefill_rows_stay_eager(tiny_zoo) -> None:
-    tiny = tiny_zoo.model("llama_tied")
-    runner = _runner(tiny, "bfloat16", "int4", scripted=True)
-    a = runner.new_sequence(prompt_ids(tiny, 0, 10))
-    runner.step([StepRow(a, 0, 10)])
-    a.tokens.append(5)
+def _mixed(runner, tiny) -> list[torch.Tensor]:
+    """Steps mixing a decode row, a short chunk and a long chunk over cached blocks, and a fresh prompt."""
+    a = runner.new_sequence(prompt_ids(tiny, 0, 40))
+    out = [runner.step([StepRow(a, 0, 24)])]  # a's first chunk; the rest of it comes over its cached blocks
     b = runner.new_sequence(prompt_ids(tiny, 1, 10))
-    runner.step([StepRow(a, 10, 11), StepRow(b, 0, 10)])
-    assert runner.model._scripted.calls == 0
-    a.tokens.append(6)
-    runner.step([StepRow(a, 11, 12)])
-    assert runner.model._scripted.calls == 1
+    out.append(runner.step([StepRow(a, 24, 40), StepRow(b, 0, 10)]))
+    b.tokens.append(5)
+    c = runner.new_sequence(prompt_ids(tiny, 0, 37), use_prefix_cache=False)
+    out.append(runner.step([StepRow(b, 10, 11), StepRow(c, 0, 37, logits="all")]))
+    return out
+
+
+@pytest.mark.parametrize("dtype,quant", FORMATS)
+@pytest.mark.parametrize("variant", ["llama_tied", "qwen2", "gemma3"])
+def test_scripted_steps_with_prefill_rows_equal_the_eager_modules(tiny_zoo, variant, dtype, quant) -> None:
+    tiny = tiny_zoo.model(variant)
+    eager = _mixed(_runner(tiny, dtype, quant, scripted=False), tiny)
+    runner = _runner(tiny, dtype, quant, scripted=True)
+    scripted = _mixed(runner, tiny)
+    assert runner.model._scripted.calls == 3
+    for s, e in zip(scripted, eager):
+        assert torch.equal(s, e)

@@ -1,0 +1,150 @@
+"""`DecodeGraphs`: pure decode steps on a GPU as CUDA graphs, one captured per batch-size bucket.
+
+A decode step of B rows replays the graph of the smallest bucket >= B (1, 2, 4, ..., 256; O(log N) graphs, at most
+2x padding). The graph was captured over static inputs: per bucket one int32 buffer holding the rows' token ids,
+positions, cache slots, key counts and block tables, filled on the host in pinned memory and sent with one copy per
+step. Padding rows read token 0 at position 0, write their key and value to a slot no sequence owns (the pool's
+spare block) and have no keys, so the paged decode kernel skips them; their logits are dropped. The graph runs the
+same modules as every other step (engine/models/base.py): the model's forward, captured.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from .batch import ForwardBatch, StepRow
+from .kv_cache import PagedKVCache
+
+log = logging.getLogger("emberserve.engine")
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+_COLUMNS = 4  # ids, positions, slots, key counts; then the block table
+
+
+def buckets_for(max_batch: int) -> list[int]:
+    """The buckets that serve every decode step of up to `max_batch` rows: powers of two, the last >= max_batch."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+    out = [b for b in BUCKETS if b < max_batch]
+    out.append(next((b for b in BUCKETS if b >= max_batch), max_batch))
+    return out
+
+
+def bucket_of(rows: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket holding `rows`, or None when none does."""
+    return next((b for b in buckets if b >= rows), None)
+
+
+class StepStaging:
+    """The static inputs of one bucket: [ids | positions | slots | key counts | tables (rows x width)] as int32, in
+    pinned host memory and on the device, so that a step is one host-to-device copy."""
+
+    def __init__(self, rows: int, width: int, trash_slot: int, device: torch.device) -> None:
+        self.rows, self.width, self.trash_slot = rows, width, trash_slot
+        size = rows * (_COLUMNS + width)
+        pin = device.type == "cuda"
+        self.host = torch.zeros(size, dtype=torch.int32, pin_memory=pin)
+        self.device = torch.zeros(size, dtype=torch.int32, device=device)
+        self._np = self.host.numpy()
+        r = rows
+        self._ids, self._pos, self._slots, self._lens = (self._np[i * r:(i + 1) * r] for i in range(_COLUMNS))
+        self._tables = self._np[_COLUMNS * r:].reshape(r, width)
+
+    def fill(self, rows: Sequence[StepRow], block_size: int) -> None:
+        """Write decode `rows` (one new token each) into the host buffer; the rest of the bucket is padding."""
+        n = len(rows)
+        if n > self.rows:
+            raise ValueError(f"{n} rows do not fit a bucket of {self.rows}")
+        for i, row in enumerate(rows):
+            seq, p = row.seq, row.start
+            blocks = -(-row.end // block_size)
+            self._ids[i] = seq.tokens[p]
+            self._pos[i] = p
+            self._slots[i] = seq.block_table[p // block_size] * block_size + p % block_size
+            self._lens[i] = row.end
+            self._tables[i, :blocks] = seq.block_table[:blocks]
+        self._ids[n:] = 0
+        self._pos[n:] = 0
+        self._slots[n:] = self.trash_slot
+        self._lens[n:] = 0
+
+    def upload(self) -> None:
+        self.device.copy_(self.host, non_blocking=True)
+
+    def batch(self, block_size: int) -> ForwardBatch:
+        """The bucket's ForwardBatch over the device buffer (built inside a capture: its casts are replayed)."""
+        r, d = self.rows, self.device
+        ids, positions, slots, lens = (d[i * r:(i + 1) * r] for i in range(_COLUMNS))
+        tables = d[_COLUMNS * r:].view(r, self.width)
+        return ForwardBatch(
+            ids, positions, slots.long(), torch.arange(r, device=d.device), block_size, r, False, r, 0, 0, None, None,
+            None, tables, lens, [], [], [], [], [], None, None, 0)
+
+
+class DecodeGraphs:
+    """Captured decode steps for buckets up to `max_batch` rows over one model and KV pool."""
+
+    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, max_batch: int, table_width: int,
+                 trash_slot: int) -> None:
+        self.model, self.cache = model, cache
+        self.buckets = buckets_for(max_batch)
+        self.block_size = cache.block_size
+        device = cache.keys[0].device
+        self._staging = {b: StepStaging(b, table_width, trash_slot, device) for b in self.buckets}
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    @torch.inference_mode()
+    def capture(self) -> float:
+        """Capture every bucket's graph, largest first (they share one memory pool); returns the seconds it took."""
+        started = time.perf_counter()
+        pool = None
+        for bucket in reversed(self.buckets):
+            staging = self._staging[bucket]
+            staging.fill([], self.block_size)
+            staging.upload()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks its kernels
+                for _ in range(2):
+                    self.model(staging.batch(self.block_size), self.cache)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self.model(staging.batch(self.block_size), self.cache)
+            pool = graph.pool()
+            self._graphs[bucket] = (graph, logits)
+        torch.cuda.synchronize()
+        took = time.perf_counter() - started
+        log.info("captured CUDA graphs for decode batches of %s rows in %.1f s",
+                 ", ".join(map(str, self.buckets)), took)
+        return took
+
+    def serves(self, rows: Sequence[StepRow]) -> bool:
+        """Whether a step of `rows` replays a graph: decode rows only ("last" logits), within the largest bucket."""
+        return (bool(self._graphs) and len(rows) <= self.max_batch
+                and all(r.end - r.start == 1 and r.logits == "last" for r in rows))
+
+    def run(self, rows: Sequence[StepRow]) -> torch.Tensor:
+        """Logits [len(rows), vocab] of a decode step (a view of the graph's output, valid until the next replay)."""
+        bucket = bucket_of(len(rows), self.buckets)
+        staging = self._staging[bucket]
+        staging.fill(rows, self.block_size)
+        staging.upload()
+        graph, logits = self._graphs[bucket]
+        graph.replay()
+        return logits[:len(rows)]
+
+
+def table_width(context_size: int, block_size: int) -> int:
+    """Blocks a sequence of the whole context holds: the static width of a bucket's block tables."""
+    return -(-context_size // block_size)
+
+
+__all__ = ["BUCKETS", "DecodeGraphs", "StepStaging", "bucket_of", "buckets_for", "table_width"]

@@ -1,0 +1,98 @@
+"""The engine on a CUDA device (skipped without one; run on the GPU machine): every tiny family against transformers,
+decode steps replayed from CUDA graphs against the same steps run eagerly, and greedy decoding equal to
+transformers' in float32."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import load_runner
+from engine.batch import StepRow
+from engine.cuda_graphs import bucket_of
+from tiny_models import VARIANTS, assert_logits_close, build_tiny_model, hf_greedy, hf_logits, prompt_ids, \
+    reference_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="module")
+def tinies(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("tiny-cuda")
+    return {v: build_tiny_model(v, root / v) for v in VARIANTS}
+
+
+def _decode(runner, seqs, steps: int) -> list[torch.Tensor]:
+    """Greedy decode steps of all `seqs` together; the logits of each step on the host."""
+    logits = runner.step([StepRow(s, s.num_computed, len(s.tokens)) for s in seqs])
+    out = []
+    for _ in range(steps):
+        for seq, token in zip(seqs, logits.argmax(-1).tolist()):
+            seq.tokens.append(token)
+        logits = runner.step([StepRow(s, s.num_computed, len(s.tokens)) for s in seqs])
+        out.append(logits.float().cpu())
+    return out
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_float32_on_cuda_matches_transformers(tinies, variant) -> None:
+    tiny = tinies[variant]
+    model = reference_model(tiny, "F32")
+    runner = load_runner(str(tiny.safetensors_dir), device="cuda", dtype="float32")
+    ids = prompt_ids(tiny, 0, 36)  # past gemma3's window of 8
+    assert_logits_close(runner.predict_logits(ids).cpu(), hf_logits(model, ids), f"{variant} prefill on cuda")
+    runner.capture_cuda_graphs(8)
+    expected, _ = hf_greedy(model, ids[:12], 20)
+    assert runner.generate(ids[:12], 20) == expected  # prefill eager, decode from the graphs
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_bfloat16_on_cuda_is_close_to_transformers(tinies, variant) -> None:
+    tiny = tinies[variant]
+    model = reference_model(tiny, "F32")
+    runner = load_runner(str(tiny.safetensors_dir), device="cuda")
+    assert runner.dtype == torch.bfloat16
+    ids = prompt_ids(tiny, 1, 30)
+    got, want = runner.predict_logits(ids).cpu(), hf_logits(model, ids)
+    scale = float(want.abs().max())
+    assert float((got - want).abs().max()) < 0.05 * scale, (variant, float((got - want).abs().max()), scale)
+
+
+@pytest.mark.parametrize("variant", ["llama_tied", "qwen3", "gemma3"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graph_replay_equals_eager_steps(tinies, variant, dtype) -> None:
+    """Five sequences of different lengths (one past gemma3's window), 12 decode steps: from the graph of bucket 8
+    (three padding rows) and eagerly through the same paged kernels."""
+    tiny = tinies[variant]
+    results = []
+    for graphs in (False, True):
+        runner = load_runner(str(tiny.safetensors_dir), device="cuda", dtype=dtype)
+        if graphs:
+            runner.capture_cuda_graphs(8)
+            assert bucket_of(5, runner.graphs.buckets) == 8
+        seqs = [runner.new_sequence(prompt_ids(tiny, i % 2, n), use_prefix_cache=False) for i, n in
+                enumerate([3, 17, 9, 30, 12])]
+        runner.step([StepRow(s, 0, len(s.tokens)) for s in seqs])  # prefill (eager either way)
+        results.append(_decode(runner, seqs, 12))
+        for s in seqs:
+            runner.free_sequence(s)
+        assert runner.blocks.num_used == 0
+    tol = 1e-4 if dtype == "float32" else 3e-2
+    for step, (eager, replayed) in enumerate(zip(*results)):
+        scale = max(1.0, float(eager.abs().max()))
+        assert float((eager - replayed).abs().max()) <= tol * scale, (variant, dtype, step)
+
+
+def test_graphs_serve_only_pure_decode_steps(tinies) -> None:
+    tiny = tinies["llama_tied"]
+    runner = load_runner(str(tiny.safetensors_dir), device="cuda", dtype="float32")
+    runner.capture_cuda_graphs(4)
+    a, b = (runner.new_sequence(prompt_ids(tiny, i, 10), use_prefix_cache=False) for i in (0, 1))
+    rows = [StepRow(a, 0, 10), StepRow(b, 0, 10)]
+    assert not runner.graphs.serves(rows)
+    runner.step(rows)
+    a.tokens.append(5)
+    b.tokens.append(6)
+    assert runner.graphs.serves([StepRow(a, 10, 11), StepRow(b, 10, 11)])
+    assert not runner.graphs.serves([StepRow(a, 10, 11, logits="all")])
+    many = [StepRow(a, 10, 11)] * 5
+    assert not runner.graphs.serves(many)  # past the largest bucket (4)

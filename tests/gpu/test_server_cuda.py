@@ -1,0 +1,31 @@
+"""A real `--device cuda` server (skipped without CUDA; run on the GPU machine): 128 concurrent clients with mixed
+sampling fields, a fifth of them leaving at random moments (bench/soak.py), then nothing leaked and no 5xx."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+import soak
+from server_process import start_server, stop_server
+from synthetic_model import Shape, write_model_dir
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+SMALL = Shape("llama", 256, 4, 4, 2, 64, 512, 49152, 10000.0)  # the soak's token ids fit its vocabulary
+
+
+def test_a_cuda_server_under_128_clients_leaves_nothing_behind(tmp_path) -> None:
+    model = write_model_dir(SMALL, tmp_path / "model", device="cuda")
+    srv = start_server(tmp_path, "--model", str(model.path), "--device", "cuda", "--served-model-name", soak.MODEL,
+                       "--max-running", "128", "--kv-cache-memory", "2GiB")
+    try:
+        result = asyncio.run(soak.soak(srv.base_url, srv.process.pid, requests=600, concurrency=128,
+                                       leave_fraction=0.2, max_tokens=48, mark=200, seed=2))
+    finally:
+        stop_server(srv)
+    verdict = soak.checks(result, rss_tolerance=0.05)
+    assert verdict["no_5xx"] and verdict["kv_blocks_free"] and verdict["nothing_running"], \
+        (verdict, result.failures[:5], result.__dict__["health"])
+    assert result.outcomes["ok"] > 300 and result.outcomes["left"] > 60, result.outcomes
+    assert "Traceback" not in srv.log(), srv.log()[-3000:]
