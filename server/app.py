@@ -29,7 +29,7 @@ from .security import ApiKeyAuth, BodySizeLimit
 from .serving import ModelState
 from .serving_chat import ChatServing
 from .serving_completions import CompletionServing
-from .settings import Settings
+from .settings import Settings, device_default
 from .worker import Worker, WorkerPool
 
 log = logging.getLogger("emberserve")
@@ -49,31 +49,36 @@ def _load(settings: Settings, on_worker_failure: Callable[[Worker], None]) -> Mo
     progress = LoadProgress(interactive=None if settings.log_format == "text" else False)
     # CPU workers share the cores: more OpenMP threads than cores make every one of them sleep at its barriers.
     threads = max(1, torch.get_num_threads() // settings.workers) if settings.device == "cpu" else None
+    max_running = device_default(settings, "max_running")
+    max_batched_tokens = device_default(settings, "max_batched_tokens")
     for i in range(settings.workers):
         runner = load_runner(settings.model, device=_worker_device(settings, i), dtype=settings.dtype,
                              quant=settings.quant,
                              max_context=settings.max_context, kv_cache_memory=settings.kv_cache_memory,
                              prefix_caching=settings.prefix_caching, progress=progress,
-                             dense_prefill=settings.dense_prefill)
+                             dense_prefill=settings.dense_prefill, deterministic=settings.deterministic)
         blocks = runner.blocks
         log.info("worker %d: %s on %s; KV cache: %d blocks = %d tokens (%.0f MiB %s), prefix caching %s", i,
                  runner.name, runner.device, blocks.num_blocks, blocks.num_blocks * blocks.block_size,
                  runner.cache.nbytes() / 2**20, str(runner.dtype).removeprefix("torch."),
                  "on" if blocks.prefix_caching else "off")
-        workers.append(Worker(runner, f"worker-{i}", max_batched_tokens=settings.max_batched_tokens,
-                              max_running=settings.max_running, threads=threads, on_failure=on_worker_failure))
+        if runner.device.type == "cuda" and settings.cuda_graphs:
+            runner.capture_cuda_graphs(max_running)
+        workers.append(Worker(runner, f"worker-{i}", max_batched_tokens=max_batched_tokens,
+                              max_running=max_running, threads=threads, on_failure=on_worker_failure))
     pool = WorkerPool(workers, settings.max_queued)
     pool.start()
     runner = workers[0].runner
     model_id = settings.served_model_name or runner.name
-    digest = hashlib.sha256(f"{__version__}:{model_id}:{runner.dtype}:{runner.quant}:{runner.device}".encode()).hexdigest()[:10]
+    digest = hashlib.sha256(f"{__version__}:{model_id}:{runner.dtype}:{runner.quant}:{runner.device}:"
+                            f"{runner.deterministic}".encode()).hexdigest()[:10]
     dense = dense_copy_bytes(runner.model)
-    log.info("loaded %s (%s, %s activations, %s weights%s on %s, %d threads, context %d) "
+    log.info("loaded %s (%s, %s activations, %s weights%s on %s, %d threads, context %d%s) "
              "in %.1fs", model_id, runner.family, str(runner.dtype).removeprefix("torch."),
              runner.quant if runner.quant != "none" else "dense",
              f" + a bfloat16 copy for prefill ({dense / 2**20:.0f} MiB)" if dense else "",
              runner.device, threads or torch.get_num_threads(), runner.context_size,
-             time.perf_counter() - started)
+             ", deterministic steps" if runner.deterministic else "", time.perf_counter() - started)
     return ModelState(model_id=model_id, runner=runner, pool=pool, fingerprint=f"fp_{digest}",
                       created=int(time.time()), max_prompt_tokens=settings.max_prompt_tokens,
                       stream_timeout=settings.stream_timeout,

@@ -57,6 +57,7 @@ async def health(request: Request) -> JSONResponse:
     runner = state.runner
     return JSONResponse({"status": "ok", "model": state.model_id, "device": str(runner.device),
                          "dtype": str(runner.dtype).removeprefix("torch."), "quant": runner.quant,
+                         "deterministic": runner.deterministic,
                          **state.pool.stats()})
 
 

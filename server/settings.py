@@ -53,12 +53,20 @@ class Settings(BaseSettings):
     served_model_name: str | None = Field(None, description="the model id clients send (default: the model's name)")
     workers: PositiveInt = Field(1, description="runners, each on its own thread (with device cuda: one per GPU)")
     max_queued: int = Field(256, ge=0, description="waiting requests per worker before answering 429")
-    max_running: PositiveInt = Field(32, description="sequences decoding together in one batch")
-    max_batched_tokens: PositiveInt = Field(
-        512, description="tokens per forward pass; longer prompts are prefilled in chunks")
+    max_running: PositiveInt | None = Field(
+        None, description="sequences decoding together in one batch (default: 32 on CPU, 256 on a GPU)")
+    max_batched_tokens: PositiveInt | None = Field(
+        None, description="tokens per forward pass; longer prompts are prefilled in chunks (default: 512 on CPU, "
+                          "8192 on a GPU)")
+    cuda_graphs: bool = Field(
+        True, description="on a GPU, run decode steps as CUDA graphs captured at start-up per batch-size bucket")
     dense_prefill: bool = Field(
         True, description="with int4/int8 weights, also keep a bfloat16 copy of the layer weights for prompts: "
                           "prefill about 1.7x faster for 2 bytes per weight more memory")
+    deterministic: bool = Field(
+        False, description="every token through the same kernels whether prefilled, decoded, chunked, batched or "
+                           "read from the prefix cache: greedy outputs and logprobs bit-identical across all of "
+                           "these (CPU; slower prefill, see bench/RESULTS.md)")
     kv_cache_memory: Bytes | None = Field(
         None, description="memory for the paged KV cache, e.g. 1GiB (default: 512MiB on CPU, 90% of free GPU memory)")
     prefix_caching: bool = Field(True, description="reuse the KV cache of prompt prefixes seen before")
@@ -102,6 +110,18 @@ class Settings(BaseSettings):
     @classmethod
     def _lower(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value
+
+
+CPU_DEFAULTS = {"max_running": 32, "max_batched_tokens": 512}
+GPU_DEFAULTS = {"max_running": 256, "max_batched_tokens": 8192}
+
+
+def device_default(settings: Settings, name: str) -> int:
+    """A setting's value, or its default for the settings' device when it was left out."""
+    value = getattr(settings, name)
+    if value is not None:
+        return value
+    return (CPU_DEFAULTS if settings.device == "cpu" else GPU_DEFAULTS)[name]
 
 
 def env_name(field: str) -> str:
