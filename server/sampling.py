@@ -49,7 +49,6 @@ MAX_TOP_LOGPROBS = 20
 _CANDIDATE_TIERS = (64, 256, 4096)
 # vLLM's _SAMPLING_EPS: a temperature below it samples greedily.
 GREEDY_TEMPERATURE = 1e-5
-_F32_MAX = torch.finfo(torch.float32).max
 _F32_TINY = 2.0 ** -149  # the smallest positive float32: a positive parameter never rounds to 0
 # Logits beyond this are shifted before the temperature division: 1e30 / GREEDY_TEMPERATURE is still finite.
 _SHIFT_ABOVE = 1e30
@@ -196,8 +195,8 @@ def _adjusted_logits(logits: torch.Tensor, samplers: Sequence[SequenceSampler]) 
     x = x.clone() if x is logits else x
     dev = x.device
     if biased:
-        rows = torch.repeat_interleave(torch.tensor([i for i, _ in biased]),
-                                       torch.tensor([len(s.bias_ids) for _, s in biased])).to(dev)
+        # Not repeat_interleave: on a CPU with several threads it takes milliseconds even for a handful of ids.
+        rows = torch.cat([torch.full_like(s.bias_ids, i) for i, s in biased])
         ids = torch.cat([s.bias_ids for _, s in biased])
         x.index_put_((rows, ids), torch.cat([s.bias_values for _, s in biased]), accumulate=True)
     # where() rather than a 0/1 lerp: a lerp turns an infinite logit (or quotient) into NaN for every token.
