@@ -20,8 +20,9 @@ Every value the request schema accepts, and any logits, give a token (the sample
   logit (a model bug) is never drawn, and the tokens that overflowed share the probability equally.
 - A row in which no token is possible (every adjusted logit -inf: all logits NaN or -inf, or every token
   suppressed) gets token 0 rather than an error.
-- Temperature never overflows: a row whose largest logit exceeds `_SHIFT_ABOVE` in magnitude has it subtracted
-  before the division (softmax does not change; ordinary rows are divided as they are, bit for bit).
+- Temperature neither overflows nor loses the probabilities to rounding: a row whose largest logit over the
+  temperature exceeds `_SHIFT_ABOVE` (2**16) in magnitude has that logit subtracted before the division. Softmax
+  does not change, and ordinary rows are divided as they are, bit for bit.
 - A top_p too small for float32 still keeps the most likely token.
 
 Logprobs are the model's raw distribution: `log_softmax` of the logits as given, before bias, penalties,
@@ -50,8 +51,9 @@ _CANDIDATE_TIERS = (64, 256, 4096)
 # vLLM's _SAMPLING_EPS: a temperature below it samples greedily.
 GREEDY_TEMPERATURE = 1e-5
 _F32_TINY = 2.0 ** -149  # the smallest positive float32: a positive parameter never rounds to 0
-# Logits beyond this are shifted before the temperature division: 1e30 / GREEDY_TEMPERATURE is still finite.
-_SHIFT_ABOVE = 1e30
+# Beyond this |logit / temperature| float32 keeps under 8 fractional bits: enough to blur ties (logsumexp of two
+# equal values would round the log 2 away) and, far beyond, to overflow. Such rows subtract their largest logit first.
+_SHIFT_ABOVE = 2.0 ** 16
 
 
 @dataclass(frozen=True)
@@ -266,9 +268,9 @@ def _truncated(x: torch.Tensor, params: Sequence[SamplingParams]) -> Iterator[tu
 
 
 def _over_temperature(x: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """x / temperature per row [R, 1], without overflow: rows with a huge largest logit subtract it first."""
+    """x / temperature per row [R, 1], accurately: rows with a huge largest quotient subtract their largest logit."""
     top = x.amax(-1, keepdim=True)  # finite: _sampleable leaves no +inf and no row without a finite logit
-    shift = top.where(top.abs() > _SHIFT_ABOVE, 0.0)  # 0 for ordinary rows: (x - 0) / t is exactly x / t
+    shift = top.where(top.abs() > _SHIFT_ABOVE * temperature, 0.0)  # 0 for ordinary rows: (x - 0) / t is x / t
     return (x - shift).div_(temperature)
 
 
