@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128
+MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]
 
 
 class OpenAIRequest(BaseModel):
@@ -49,8 +50,9 @@ class OpenAIRequest(BaseModel):
         for key, bias in (v or {}).items():
             if not key.lstrip("-").isdigit():
                 raise ValueError(f"keys must be token ids, got {key!r}")
-            if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"bias for token {key} must be between -100 and 100, got {bias}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"bias for token {key} must be between -{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}, "
+                                 f"got {bias}")
         return v
 
 

@@ -6,15 +6,28 @@ Order of processing, per row, on a float32 copy of the logits:
 2. Penalties: repetition (HF/vLLM: over prompt and generated tokens, a positive logit is divided by the
    penalty, any other multiplied), then frequency and presence (OpenAI: over generated tokens only,
    `logit -= frequency * count + presence * (count > 0)`).
-3. Greedy rows (temperature 0) take the argmax. The others go on:
+3. Greedy rows (temperature below `GREEDY_TEMPERATURE`, 1e-5 as in vLLM: dividing by less only amplifies
+   rounding) take the argmax. The others go on:
 4. temperature → top-k → top-p → min-p → one inverse-CDF draw.
 
 Top-k keeps exactly the k most likely tokens (ties broken by sort order). Top-p keeps the smallest set of most
 likely tokens whose probability, renormalised after top-k, reaches top_p. Min-p keeps the tokens whose
 probability is at least min_p times the most likely one's.
 
+Every value the request schema accepts, and any logits, give a token (the sampler is total):
+- The adjustments are float32 arithmetic, so extreme values saturate (a positive logit divided by a repetition
+  penalty of 1e-300 is +inf). In the adjusted logits NaN counts as -inf and +inf as the largest float32, so a NaN
+  logit (a model bug) is never drawn, and the tokens that overflowed share the probability equally.
+- A row in which no token is possible (every adjusted logit -inf: all logits NaN or -inf, or every token
+  suppressed) gets token 0 rather than an error.
+- Temperature neither overflows nor loses the probabilities to rounding: a row whose largest logit over the
+  temperature exceeds `_SHIFT_ABOVE` (2**16) in magnitude has that logit subtracted before the division. Softmax
+  does not change, and ordinary rows are divided as they are, bit for bit.
+- A top_p too small for float32 still keeps the most likely token.
+
 Logprobs are the model's raw distribution: `log_softmax` of the logits as given, before bias, penalties,
 temperature and truncation (vLLM's default "raw logprobs"), so they do not depend on the sampling parameters.
+There too NaN counts as -inf and +inf as the largest float32; a row without a finite logit has logprobs -inf.
 
 Randomness: each sampled row draws one uniform per step from its own `torch.Generator`, so a row's token never
 depends on which other rows share the batch. The generator lives on the CPU whatever the device: drawing one
@@ -35,6 +48,12 @@ MAX_TOP_LOGPROBS = 20
 # Top-k/top-p look at the most likely candidates first: a full sort costs tens of milliseconds at a 262k
 # vocabulary, top-64 a fraction of one. A row moves to the next tier only if its nucleus does not fit.
 _CANDIDATE_TIERS = (64, 256, 4096)
+# vLLM's _SAMPLING_EPS: a temperature below it samples greedily.
+GREEDY_TEMPERATURE = 1e-5
+_F32_TINY = 2.0 ** -149  # the smallest positive float32: a positive parameter never rounds to 0
+# Beyond this |logit / temperature| float32 keeps under 8 fractional bits: enough to blur ties (logsumexp of two
+# equal values would round the log 2 away) and, far beyond, to overflow. Such rows subtract their largest logit first.
+_SHIFT_ABOVE = 2.0 ** 16
 
 
 @dataclass(frozen=True)
@@ -84,7 +103,7 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", bias)
 
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def _seed_for(seed: int, offset: int) -> int:
@@ -166,7 +185,7 @@ def _check(logits: torch.Tensor, samplers: Sequence[SequenceSampler]) -> None:
 
 
 def _adjusted_logits(logits: torch.Tensor, samplers: Sequence[SequenceSampler]) -> torch.Tensor:
-    """The logits after logit_bias and penalties (a copy whenever anything changes)."""
+    """The logits after logit_bias and penalties, made safe to sample from (see the module docstring); a copy."""
     x = logits.float()
     biased = [(i, s) for i, s in enumerate(samplers) if s.bias_ids is not None]
     repeated = [(i, s) for i, s in enumerate(samplers) if s.params.repetition_penalty != 1]
@@ -174,23 +193,22 @@ def _adjusted_logits(logits: torch.Tensor, samplers: Sequence[SequenceSampler]) 
                if s.params.presence_penalty != 0 or s.params.frequency_penalty != 0]
     suppressed = [(i, s) for i, s in enumerate(samplers) if s.suppressed is not None]
     if not (biased or repeated or counted or suppressed):
-        return x
+        return _sampleable(x, own=x is not logits)
     x = x.clone() if x is logits else x
     dev = x.device
     if biased:
-        rows = torch.repeat_interleave(torch.tensor([i for i, _ in biased]),
-                                       torch.tensor([len(s.bias_ids) for _, s in biased])).to(dev)
+        # Not repeat_interleave: on a CPU with several threads it takes milliseconds even for a handful of ids.
+        rows = torch.cat([torch.full_like(s.bias_ids, i) for i, s in biased])
         ids = torch.cat([s.bias_ids for _, s in biased])
         x.index_put_((rows, ids), torch.cat([s.bias_values for _, s in biased]), accumulate=True)
-    # Masks as 0/1 floats and lerp (exact at weights 0 and 1) rather than boolean where(): far faster on CPU.
+    # where() rather than a 0/1 lerp: a lerp turns an infinite logit (or quotient) into NaN for every token.
     if repeated:
         index, sub = _rows(x, [i for i, _ in repeated])
         seen = torch.stack([s.prompt_mask for _, s in repeated]).add_(torch.stack([s.counts for _, s in repeated]))
-        penalty = torch.tensor([s.params.repetition_penalty for _, s in repeated], device=dev)[:, None]
-        penalised = (sub * penalty).lerp_(sub / penalty, sub.sign().clamp_(min=0))
-        sub.lerp_(penalised, seen.clamp_(max=1))
-        if index is not None:
-            x.index_copy_(0, index, sub)
+        penalty = torch.tensor([max(s.params.repetition_penalty, _F32_TINY) for _, s in repeated], device=dev)[:, None]
+        penalised = (sub / penalty).where(sub > 0, sub * penalty)
+        sub = penalised.where(seen > 0, sub)
+        x = sub if index is None else x.index_copy_(0, index, sub)
     if counted:
         index, sub = _rows(x, [i for i, _ in counted])
         counts = torch.stack([s.counts for _, s in counted])
@@ -200,6 +218,13 @@ def _adjusted_logits(logits: torch.Tensor, samplers: Sequence[SequenceSampler]) 
             x.index_copy_(0, index, sub)
     for i, s in suppressed:
         x[i].index_fill_(0, s.suppressed, -math.inf)
+    return _sampleable(x, own=True)
+
+
+def _sampleable(x: torch.Tensor, own: bool) -> torch.Tensor:
+    """NaN as -inf, +inf as the largest float32, and token 0 possible in a row where no token is; a copy unless own."""
+    x = x.nan_to_num_(nan=-math.inf, neginf=-math.inf) if own else x.nan_to_num(nan=-math.inf, neginf=-math.inf)
+    x[:, :1].masked_fill_(x.amax(-1, keepdim=True) == -math.inf, 0.0)
     return x
 
 
@@ -225,9 +250,9 @@ def _truncated(x: torch.Tensor, params: Sequence[SamplingParams]) -> Iterator[tu
     """
     R, V = x.shape
     ks = [p.top_k if 0 < p.top_k < V else V for p in params]
-    table = torch.tensor([[p.temperature, k, p.top_p if p.top_p < 1 else math.inf, p.min_p]
+    table = torch.tensor([[p.temperature, k, max(p.top_p, _F32_TINY) if p.top_p < 1 else math.inf, p.min_p]
                           for p, k in zip(params, ks)], device=x.device)
-    x = x / table[:, :1]
+    x = _over_temperature(x, table[:, :1])
     # Rows without top-k/top-p skip the sort altogether.
     plain = [r for r in range(R) if ks[r] == V and params[r].top_p >= 1]
     if plain:
@@ -240,6 +265,13 @@ def _truncated(x: torch.Tensor, params: Sequence[SamplingParams]) -> Iterator[tu
         yield plain, w, None
     if len(plain) < R:
         yield from _nucleus_groups(x, table, ks, [r for r in range(R) if ks[r] < V or params[r].top_p < 1])
+
+
+def _over_temperature(x: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """x / temperature per row [R, 1], accurately: rows with a huge largest quotient subtract their largest logit."""
+    top = x.amax(-1, keepdim=True)  # finite: _sampleable leaves no +inf and no row without a finite logit
+    shift = top.where(top.abs() > _SHIFT_ABOVE * temperature, 0.0)  # 0 for ordinary rows: (x - 0) / t is x / t
+    return (x - shift).div_(temperature)
 
 
 def _nucleus_groups(x: torch.Tensor, table: torch.Tensor, ks: list[int],
@@ -308,10 +340,10 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     acc = _acc_dtype(weights.device)
     block_cdf = blocks.sum(-1).to(acc).cumsum(-1)
     target = u.to(acc) * block_cdf[:, -1]
-    b = _searchsorted(block_cdf, target)
+    b = _searchsorted(block_cdf, target).clamp_(max=nb - 1)  # clamps only guard against rounding: never a crash
     start = block_cdf.gather(1, (b - 1).clamp(min=0)[:, None])[:, 0].masked_fill(b == 0, 0)
     inner = blocks[torch.arange(R, device=weights.device), b].to(acc).cumsum(-1)
-    return b * block + _searchsorted(inner, target - start)
+    return (b * block + _searchsorted(inner, target - start)).clamp_(max=N - 1)
 
 
 def _merge(into: torch.Tensor, index: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:
@@ -382,10 +414,13 @@ def _fill_logprobs(logits: torch.Tensor, samplers: Sequence[SequenceSampler], to
     if not rows:
         return
     index, raw = _rows(logits, rows)
-    logp = torch.log_softmax(raw.float(), -1)
-    chosen = logp.gather(1, (tokens if index is None else tokens[index])[:, None])[:, 0].tolist()
+    logp = torch.log_softmax(raw.float().nan_to_num(nan=-math.inf, neginf=-math.inf), -1)
+    chosen = logp.gather(1, (tokens if index is None else tokens[index])[:, None])[:, 0]
     n = min(max(samplers[i].params.top_logprobs for i in rows), logp.shape[1])
-    top_vals, top_ids = (t.tolist() for t in logp.topk(n, -1))
+    top_vals, top_ids = logp.topk(n, -1)
+    # Only a row without a finite logit has NaN here (log_softmax of all -inf).
+    chosen, top_vals = chosen.nan_to_num(nan=-math.inf).tolist(), top_vals.nan_to_num(nan=-math.inf).tolist()
+    top_ids = top_ids.tolist()
     for j, i in enumerate(rows):
         want = samplers[i].params.top_logprobs
         out[i].logprob = chosen[j]

@@ -291,6 +291,67 @@ def test_inputs_are_not_modified_and_inference_tensors_work() -> None:
     assert sample_batch(logits.bfloat16(), samplers)[0].token in range(100)
 
 
+# --- extreme values (tests/server/test_sampling_fuzz.py covers them all; these pin the documented outcomes) ---
+
+@pytest.mark.parametrize("penalty", [5e-324, 1e-300, 1e-40])
+def test_a_tiny_repetition_penalty_neither_crashes_the_batch_nor_changes_its_other_rows(penalty: float) -> None:
+    vocab, prompt = 300, [3, 7, 11, 250]
+    logits = random_logits(3, vocab, seed=21)
+    logits[1, prompt] = torch.tensor([2.0, -1.0, 0.5, 3.0])
+    params = [dict(temperature=0.8, top_p=0.9, seed=1), dict(repetition_penalty=penalty, seed=2), dict(temperature=0)]
+    out = sample_batch(logits, [sampler(vocab, prompt, **p) for p in params])
+    alone = [sample_batch(logits[i:i + 1], [sampler(vocab, prompt, **params[i])])[0] for i in (0, 2)]
+    assert [out[0], out[2]] == alone
+    # The seen positive logits divided by the penalty overflow float32: those tokens share all the probability.
+    probs = sampling_probs(logits[1:2], [sampler(vocab, prompt, repetition_penalty=penalty)])[0]
+    assert out[1].token in (3, 11, 250)
+    torch.testing.assert_close(probs[[3, 11, 250]], torch.full((3,), 1 / 3))
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 9.99e-6])
+def test_a_temperature_below_the_greedy_threshold_is_greedy(temperature: float) -> None:
+    logits = random_logits(4, 500, seed=2)
+    logits[:, 0] = logits[:, 1] = logits.amax(-1) + 1e-6  # nearly tied: dividing by the temperature would matter
+    assert SamplingParams(temperature=temperature).is_greedy() and not SamplingParams(temperature=1e-5).is_greedy()
+    out = sample_batch(logits, [sampler(500, temperature=temperature, seed=i) for i in range(4)])
+    assert [t.token for t in out] == logits.argmax(-1).tolist()
+
+
+def test_non_finite_logits_nan_is_never_drawn_and_infinities_share_the_mass() -> None:
+    nan, inf = math.nan, math.inf
+    logits = torch.tensor([[nan, 1.0, 2.0, nan, -inf], [0.0, inf, 5.0, inf, nan], [nan] * 5, [-inf] * 5])
+    for params in (dict(), dict(temperature=0), dict(top_k=2, top_p=0.5, min_p=0.1, repetition_penalty=2.0)):
+        samplers = [sampler(5, prompt=[1, 2], logprobs=True, top_logprobs=5, **params) for _ in range(4)]
+        probs = sampling_probs(logits, samplers)
+        assert probs[0, [0, 3, 4]].sum() == 0 and probs[1, [0, 2, 4]].sum() == 0
+        assert torch.equal(probs[2:], torch.eye(5)[[0, 0]])  # no possible token: token 0
+        for _ in range(10):
+            out = sample_batch(logits, samplers)
+            assert [t.token for t in out][2:] == [0, 0] and probs[0, out[0].token] > 0 and out[1].token in (1, 3)
+            assert not any(math.isnan(v) for t in out for v in [t.logprob] + [lp for _, lp in t.top_logprobs])
+        if not params:
+            torch.testing.assert_close(probs[1, [1, 3]], torch.tensor([0.5, 0.5]))
+    assert out[1].logprob == pytest.approx(-math.log(2)) and out[2].logprob == -math.inf
+
+
+@pytest.mark.parametrize("scale", [1e30, 1e4])
+def test_tied_huge_logits_over_the_temperature_share_the_mass_under_top_p(scale: float) -> None:
+    # Unshifted, logsumexp of two equal values near 2e30 (or 1e9) rounds the log 2 away: each would weigh 1.
+    logits = torch.tensor([[scale, scale, 0.0, -1.0, 2.0]])
+    for temperature in (0.5, 1e-5):
+        probs = sampling_probs(logits, [sampler(5, temperature=temperature, top_p=0.95)])[0]
+        torch.testing.assert_close(probs, torch.tensor([0.5, 0.5, 0, 0, 0]))
+
+
+def test_every_token_suppressed_gives_token_0_and_a_tiny_top_p_the_most_likely_token() -> None:
+    logits = random_logits(2, 50, seed=4)
+    everything = sampler(50, temperature=0.7)
+    everything.suppressed = torch.arange(50)
+    tiny = sampler(50, top_p=5e-324)
+    assert [t.token for t in sample_batch(logits, [everything, tiny])] == [0, int(logits[1].argmax())]
+    assert torch.equal(sampling_probs(logits, [everything, tiny]), torch.eye(50)[[0, int(logits[1].argmax())]])
+
+
 # --- logprobs -----------------------------------------------------------------------------------------------
 
 def test_logprobs_are_the_raw_log_softmax_with_sorted_alternatives() -> None:

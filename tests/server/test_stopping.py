@@ -5,10 +5,13 @@ import random
 from collections.abc import Callable, Collection, Mapping, Sequence
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.registry import KNOWN_MODELS
 from engine.tokenizer import Tokenizer
 from engine.weights.gguf import read_gguf_metadata
+from server.protocol import MAX_STOP_STRINGS
 from server.stopping import StopChecker, StopUpdate
 
 EOS = 2  # SmolLM2's <|im_end|>; the scripted detokenizer uses the same id
@@ -183,6 +186,7 @@ def expected_updates(pieces: Sequence[str], ids: Sequence[int], flush_after: Cal
 
     `pieces[k]` is what the detokenizer gives for token k, `flush_after(n)` what it holds after the first n tokens.
     """
+    stops = [s for s in stops if s]  # an empty stop string is ignored
     def first_stop(text: str, after: int) -> tuple[int, str] | None:
         for end in range(after + 1, len(text) + 1):
             found = [s for s in stops if text[:end].endswith(s)]
@@ -320,3 +324,68 @@ def test_real_tokens_and_random_stops_match_the_reference(tok):
         case = random_case(rng, text, len(ids))
         checker = StopChecker(tok.detokenizer(skip_special_tokens=True), stop_token_ids=tok.end_token_ids, **case)
         check_against_reference(checker, pieces, ids, flush_after, case, tok.end_token_ids)
+
+
+# ---- property tests: any text, any split into tokens, any stop strings ------------------------------------------
+
+class BufferingDetokenizer:
+    """Token id → (piece, held): a held piece is kept back (like half a UTF-8 character) until a later token's
+    piece or `flush` releases it."""
+
+    def __init__(self, table: Mapping[int, tuple[str, bool]]) -> None:
+        self.table, self.buffer = table, ""
+
+    def push(self, token_id: int) -> str:
+        piece, held = self.table[token_id]
+        self.buffer += piece
+        if held:
+            return ""
+        out, self.buffer = self.buffer, ""
+        return out
+
+    def flush(self) -> str:
+        out, self.buffer = self.buffer, ""
+        return out
+
+
+CHARS = st.sampled_from(list("aaabb:\n 你🎉"))  # few characters, so stop strings overlap, repeat and half-match
+
+
+@st.composite
+def streams(draw: st.DrawFn) -> tuple[dict, dict[int, tuple[str, bool]], list[int]]:
+    """(StopChecker keyword arguments, detokenizer table, token ids): a text made of random chunks and the stop
+    strings themselves, cut anywhere into pieces (empty ones too), some held back, with end tokens inserted."""
+    stops = draw(st.lists(st.text(CHARS, max_size=5), max_size=MAX_STOP_STRINGS))
+    chunk = st.text(CHARS, max_size=6) | st.sampled_from(stops) if any(stops) else st.text(CHARS, max_size=6)
+    text = "".join(draw(st.lists(chunk, max_size=8)))
+    cuts = sorted(draw(st.lists(st.integers(0, len(text)), max_size=len(text) + 3)))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    table = {i + 10: (piece, draw(st.booleans())) for i, piece in enumerate(pieces)} | {EOS: ("<|im_end|>", False)}
+    ids = [i + 10 for i in range(len(pieces))]
+    for at in draw(st.lists(st.integers(0, len(ids)), max_size=2)):
+        ids.insert(at, EOS)
+    case = {"stop": stops, "min_tokens": draw(st.integers(0, 4)), "ignore_eos": draw(st.booleans()),
+            "max_tokens": draw(st.none() | st.integers(1, len(ids) + 2))}
+    return case, table, ids
+
+
+@settings(max_examples=1000, deadline=None)
+@given(streams())
+def test_any_text_split_anyhow_streams_the_reference_and_never_leaks_a_stop_string(stream) -> None:
+    case, table, ids = stream
+    replay = BufferingDetokenizer(table)
+    pushed = [replay.push(i) for i in ids]  # what each push returns, for the reference
+    held = [""] + [BufferingDetokenizer(table) for _ in ids]
+    for n in range(1, len(ids) + 1):
+        for i in ids[:n]:
+            held[n].push(i)
+        held[n] = held[n].flush()
+    checker = StopChecker(BufferingDetokenizer(table), stop_token_ids={EOS}, **case)
+    check_against_reference(checker, pushed, ids, held.__getitem__, case, {EOS})
+    # What was sent at any moment is a beginning of the final text: nothing past a stop string went out early.
+    checker = StopChecker(BufferingDetokenizer(table), stop_token_ids={EOS}, **case)
+    sent = [u.text for u in feed(checker, ids)]
+    final = "".join(sent)
+    assert all(final.startswith("".join(sent[:k])) for k in range(len(sent)))
+    if case["min_tokens"] == 0:  # else a stop string completed within the first min_tokens tokens is plain text
+        assert not any(s and s in final for s in case["stop"])
