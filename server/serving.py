@@ -60,6 +60,14 @@ def request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+MIN_LOGPROB = -9999.0  # what OpenAI and vLLM report for an impossible token: JSON has no -Infinity
+
+
+def reported_logprob(value: float) -> float:
+    """A logprob as the API reports it: finite, at least MIN_LOGPROB (NaN, from broken logits, too)."""
+    return value if value >= MIN_LOGPROB else MIN_LOGPROB
+
+
 def cancel(gens: Iterable[Generation]) -> None:
     """Ask the worker to drop these generations (idempotent)."""
     for gen in gens:
@@ -212,4 +220,5 @@ class OpenAIServing:
         return self.tokenizer.token_bytes(token).decode("utf-8", errors="backslashreplace")
 
     def top_logprob(self, token: int, logprob: float) -> TopLogprob:
-        return TopLogprob(token=self.token_text(token), logprob=logprob, bytes=list(self.tokenizer.token_bytes(token)))
+        return TopLogprob(token=self.token_text(token), logprob=reported_logprob(logprob),
+                          bytes=list(self.tokenizer.token_bytes(token)))

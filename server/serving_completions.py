@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from .errors import APIError, invalid
 from .generation import ChoiceDelta, Generation, GenerationDone, PromptLogprobs, TokenLogprob
 from .protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
-from .serving import OpenAIServing, cancel, check_token_ids, request_id
+from .serving import OpenAIServing, cancel, check_token_ids, reported_logprob, request_id
 from .sse import DONE, event_json, sse_response
 
 
@@ -40,8 +40,9 @@ class _LogprobsBuilder:
         self.tokens.append(text)
         self.text_offset.append(self.offset)
         self.offset += len(text)
-        self.token_logprobs.append(None if entry is None else entry.logprob)
-        self.top_logprobs.append(None if entry is None else {self.serving.token_text(t): lp for t, lp in entry.top})
+        self.token_logprobs.append(None if entry is None else reported_logprob(entry.logprob))
+        self.top_logprobs.append(None if entry is None else {self.serving.token_text(t): reported_logprob(lp)
+                                                             for t, lp in entry.top})
 
     def take(self) -> CompletionLogprobs:
         """What was added since the last take (streaming sends each chunk's own tokens)."""
