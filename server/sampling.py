@@ -6,7 +6,7 @@ Order of processing, per row, on a float32 copy of the logits:
 2. Penalties: repetition (HF/vLLM: over prompt and generated tokens, a positive logit is divided by the
    penalty, any other multiplied), then frequency and presence (OpenAI: over generated tokens only,
    `logit -= frequency * count + presence * (count > 0)`).
-3. Greedy rows (temperature 0) take the argmax. The others go on:
+3. Greedy rows (temperature below GREEDY_TEMPERATURE, 0 included) take the argmax. The others go on:
 4. temperature → top-k → top-p → min-p → one inverse-CDF draw.
 
 Top-k keeps exactly the k most likely tokens (ties broken by sort order). Top-p keeps the smallest set of most
@@ -32,6 +32,12 @@ from dataclasses import dataclass, field
 import torch
 
 MAX_TOP_LOGPROBS = 20
+# Below this temperature a row is greedy (vLLM's rule): dividing float32 logits by a tinier one overflows to inf,
+# and the draw's weights become NaN, while the distribution is one-hot to float precision anyway.
+GREEDY_TEMPERATURE = 1e-5
+# The smallest repetition penalty: a logit is divided by the penalty, and a tinier one (float32 rounds 1e-300 to 0)
+# makes it inf. 0.01 already multiplies repeated tokens' positive logits by 100.
+MIN_REPETITION_PENALTY = 0.01
 # Top-k/top-p look at the most likely candidates first: a full sort costs tens of milliseconds at a 262k
 # vocabulary, top-64 a fraction of one. A row moves to the next tier only if its nucleus does not fit.
 _CANDIDATE_TIERS = (64, 256, 4096)
@@ -65,8 +71,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1, 0 (both disable it) or positive, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.repetition_penalty < MIN_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be >= {MIN_REPETITION_PENALTY}, got {self.repetition_penalty}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         if self.top_logprobs and not self.logprobs:
@@ -84,7 +90,7 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", bias)
 
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def _seed_for(seed: int, offset: int) -> int:
