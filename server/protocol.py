@@ -27,12 +27,16 @@ def _whole_characters(text: str) -> str:
 
 # Every request string that reaches the tokenizer or comes back in a response.
 Text = Annotated[str, AfterValidator(_whole_characters)]
+# Request values must have the JSON types the schema gives them: no "5" or true for an integer, no 1 for a boolean
+# (JSON integers for numbers are fine). Unknown fields are kept where OpenAI clients send extra ones.
+STRICT = ConfigDict(strict=True)
+STRICT_ALLOW_EXTRA = ConfigDict(strict=True, extra="allow")
 
 
 class OpenAIRequest(BaseModel):
     """Fields shared by completions and chat; unknown fields are kept in `model_extra` (logged, then ignored)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT_ALLOW_EXTRA
 
     model: Text
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -76,16 +80,20 @@ class OpenAIRequest(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
 
 
 class TextPart(BaseModel):
+    model_config = STRICT
+
     type: Literal["text"]
     text: Text
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT_ALLOW_EXTRA
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
@@ -130,6 +138,8 @@ class CompletionRequest(OpenAIRequest):
 
 
 class TokenizeRequest(BaseModel):
+    model_config = STRICT
+
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
@@ -138,6 +148,8 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
+    model_config = STRICT
+
     model: Text | None = None
     tokens: list[int]
 

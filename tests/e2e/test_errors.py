@@ -69,6 +69,10 @@ BAD_REQUESTS = {
     "5 stop strings": (CHAT, chat(stop=["a", "b", "c", "d", "e"]), "stop", ["4"]),
     "messages a string": (CHAT, chat(messages="hi"), "messages", ["messages"]),
     "max_tokens a string": (CHAT, chat(max_tokens="ten"), "max_tokens", ["max_tokens"]),
+    # JSON types as the schema states them: no coercion of "5" or true to an integer, or of 1 to a boolean
+    "max_tokens a numeric string": (CHAT, chat(max_tokens="5"), "max_tokens", ["max_tokens"]),
+    "echo a number": (CMPL, cmpl(echo=1), "echo", ["echo"]),
+    "temperature a boolean": (CMPL, cmpl(temperature=True), "temperature", ["temperature"]),
     "prompt a number": (CMPL, cmpl(prompt=5), "prompt", ["prompt"]),
     "empty messages": (CHAT, chat(messages=[]), "messages", ["messages"]),
     "message without role": (CHAT, chat(messages=[{"content": "hi"}]), "messages.0.role", ["role"]),
@@ -83,6 +87,7 @@ BAD_REQUESTS = {
     "detokenize id out of range": ("/detokenize", {"tokens": [1, VOCAB + 10]}, "tokens", [str(VOCAB + 10)]),
     "detokenize negative id": ("/detokenize", {"tokens": [-3]}, "tokens", ["-3"]),
     "detokenize non-integer": ("/detokenize", {"tokens": ["a"]}, "tokens.0", []),
+    "detokenize a boolean id": ("/detokenize", {"tokens": [1, True]}, "tokens.1", []),
     "tokenize neither prompt nor messages": ("/tokenize", {}, "prompt", []),
 }
 

@@ -110,13 +110,11 @@ def test_low_temperature_is_greedy() -> None:
 def test_temperatures_too_small_to_divide_by_are_greedy(temperature: float) -> None:
     """Logits / 1e-300 overflow float32 to inf and the draw's weights to NaN: such rows take the argmax instead."""
     logits = random_logits(4, 300, seed=2)
-    prompt = [int(logits[0].argmax())]
-    samplers = [sampler(300, temperature=temperature, seed=i, prompt=prompt, repetition_penalty=MIN_REPETITION_PENALTY,
-                        logit_bias={7: 100.0, 8: -100.0}) for i in range(4)]
-    expected = sampling_probs(logits, [sampler(300, temperature=0, prompt=prompt,
-                                               repetition_penalty=MIN_REPETITION_PENALTY,
-                                               logit_bias={7: 100.0, 8: -100.0}) for _ in range(4)])
-    assert [t.token for t in sample_batch(logits, samplers)] == expected.argmax(-1).tolist()
+    extremes = dict(prompt=[int(logits[0].argmax())], repetition_penalty=MIN_REPETITION_PENALTY,
+                    logit_bias={7: 100.0, 8: -100.0})
+    samplers = [sampler(300, temperature=temperature, seed=i, **extremes) for i in range(4)]
+    greedy = sampling_probs(logits, [sampler(300, temperature=0, **extremes) for _ in range(4)])
+    assert [t.token for t in sample_batch(logits, samplers)] == greedy.argmax(-1).tolist()
 
 
 def test_the_extreme_parameters_still_draw_from_finite_weights() -> None:
