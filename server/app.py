@@ -22,6 +22,7 @@ from engine.quant import dense_copy_bytes
 from . import __version__
 from .errors import install_error_handlers
 from .metrics import ServerMetrics
+from .openapi import install_openapi
 from .progress import LoadProgress
 from .request_context import REQUEST_ID_HEADER, RequestContext
 from .routes import router
@@ -171,6 +172,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.request_shutdown = lambda: os.kill(os.getpid(), signal.SIGTERM)
     install_error_handlers(app)
     app.include_router(router)
+    install_openapi(app, api_key=settings.api_key is not None)
     _add_middleware(app, settings)
     return app
 

@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .protocol import ErrorDetail, ErrorResponse
 
 log = logging.getLogger("emberserve")
 
@@ -21,13 +24,16 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  type: str | None = None, headers: dict[str, str] | None = None) -> None:
+        # What a message quotes from a request must not break the error's own UTF-8 body (lone surrogates).
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
         self.headers = headers
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        detail = ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=detail).model_dump()
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
@@ -38,8 +44,12 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
     return APIError(400, message, param=param, code=code)
 
 
+# A union member's label names a validator wrapped around a type, as in `function-after[_check(), str]`: say `str`.
+_VALIDATOR_LABEL = re.compile(r"function-\w+\[\w+\(\), (\w+)\]")
+
+
 def _param_from_loc(loc: tuple[Any, ...]) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
+    parts = [_VALIDATOR_LABEL.sub(r"\1", str(p)) for p in loc if p not in ("body", "query", "path")]
     return ".".join(parts) or None
 
 
@@ -68,11 +78,32 @@ def _validation_message(err: dict[str, Any]) -> str:
     return f"{param}: {msg}" if param else msg
 
 
-def answer(app: FastAPI, error: APIError) -> JSONResponse:
-    """The error's response, counted in the app's metrics by its type."""
+def _unparsable_body(exc: StarletteHTTPException) -> str:
+    """Why FastAPI could not read the body as JSON, from the exception it chained (JSON syntax errors come apart)."""
+    cause = exc.__cause__
+    if isinstance(cause, UnicodeDecodeError):
+        return f"request body is not valid UTF-8: {cause.reason} at byte {cause.start}"
+    if isinstance(cause, RecursionError):
+        # The parser recurses once per level and stops at the interpreter's recursion limit, before reading on.
+        return "request body nests JSON arrays or objects too deeply: the limit is about 1,000 levels"
+    return str(exc.detail)
+
+
+def count(app: FastAPI, error: APIError) -> None:
+    """Count an error response in the app's metrics by its type."""
     if error.status != 499:  # the client went away: nobody reads this, and its sequences count as aborted
         app.state.metrics.fail(error.type)
+
+
+def answer(app: FastAPI, error: APIError) -> JSONResponse:
+    """The error's response, counted in the app's metrics."""
+    count(app, error)
     return error.response()
+
+
+def internal_error() -> APIError:
+    """What an unexpected exception answers: no detail of it reaches the client (the log has the traceback)."""
+    return APIError(500, "internal server error", type="server_error")
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -94,10 +125,10 @@ def install_error_handlers(app: FastAPI) -> None:
             what = "not found" if exc.status_code == 404 else "method not allowed"
             message = f"{request.method} {request.url.path}: {what}"
         else:
-            message = str(exc.detail)
+            message = _unparsable_body(exc) if exc.status_code == 400 else str(exc.detail)
         return answer(request.app, APIError(exc.status_code, message, headers=getattr(exc, "headers", None)))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return answer(request.app, APIError(500, "internal server error", type="server_error"))
+        return answer(request.app, internal_error())

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
 
 # Numbers OpenAI documents as limits.
 MAX_STOP_STRINGS = 4
@@ -13,12 +14,31 @@ MAX_N = 128
 MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]
 
 
+def _whole_characters(text: str) -> str:
+    """Refuse lone surrogates: JSON escapes such as \\ud800 that pair with nothing are no text, and neither the
+    tokenizer nor a UTF-8 response body can carry them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"contains a lone UTF-16 surrogate (\\u{ord(text[e.start]):04x}) at character {e.start}, "
+                         "which is not a Unicode character") from None
+    return text
+
+
+# Every request string that reaches the tokenizer or comes back in a response.
+Text = Annotated[str, AfterValidator(_whole_characters)]
+# Request values must have the JSON types the schema gives them: no "5" or true for an integer, no 1 for a boolean
+# (JSON integers for numbers are fine). Unknown fields are kept where OpenAI clients send extra ones.
+STRICT = ConfigDict(strict=True)
+STRICT_ALLOW_EXTRA = ConfigDict(strict=True, extra="allow")
+
+
 class OpenAIRequest(BaseModel):
     """Fields shared by completions and chat; unknown fields are kept in `model_extra` (logged, then ignored)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT_ALLOW_EXTRA
 
-    model: str
+    model: Text
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
@@ -27,12 +47,16 @@ class OpenAIRequest(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     seed: int | None = None
-    logit_bias: dict[str, float] | None = None
-    stop: str | list[str] | None = Field(None, validate_default=True)
+    # The validators below check these; the schema says the same for clients (JSON Schema keywords beside anyOf
+    # apply to the matching type only: maxItems to the list form, propertyNames to the object).
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={
+        "propertyNames": {"pattern": "^-?[0-9]+$"}, "additionalProperties": {"minimum": -100, "maximum": 100}})
+    stop: Text | list[Text] | None = Field(None, validate_default=True,
+                                           json_schema_extra={"maxItems": MAX_STOP_STRINGS})
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
 
@@ -57,33 +81,38 @@ class OpenAIRequest(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
 
 
 class TextPart(BaseModel):
+    model_config = STRICT
+
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT_ALLOW_EXTRA
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart | dict[str, Any]] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
-    @field_validator("content")
+    @field_validator("content", mode="before")
     @classmethod
     def _text_only(cls, v: Any) -> Any:
+        """Name the part type that is not text (the schema's own error would only say that 'text' was expected)."""
         if isinstance(v, list):
             for part in v:
-                if isinstance(part, dict):
+                if isinstance(part, dict) and part.get("type") != "text":
                     raise ValueError(f"content part of type {part.get('type')!r} is not supported; only 'text'")
         return v
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content if isinstance(p, TextPart))
+            return "".join(p.text for p in self.content)
         return self.content or ""
 
 
@@ -93,31 +122,36 @@ class ChatCompletionRequest(OpenAIRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = Field(None, description="tool calling is not supported: only with "
+                                                                 "tool_choice 'none'")
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = Field(None, description="only type 'text'")
     add_generation_prompt: bool = True
 
 
 class CompletionRequest(OpenAIRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    suffix: Text | None = Field(None, description="not supported: only empty or null")
+    best_of: int | None = Field(None, description="only equal to n")
 
 
 class TokenizeRequest(BaseModel):
-    model: str | None = None
-    prompt: str | None = None
+    model_config = STRICT
+
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(BaseModel):
-    model: str | None = None
+    model_config = STRICT
+
+    model: Text | None = None
     tokens: list[int]
 
 
@@ -212,6 +246,89 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+# ---- streaming chunks: each `data:` event of an SSE response, as the serving layer writes them ----
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class _ChunkEnvelope(BaseModel):
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str | None
+    usage: Usage | None = None  # only with stream_options.include_usage: null, then the totals in the last chunk
+
+
+class ChatCompletionChunk(_ChunkEnvelope):
+    object: Literal["chat.completion.chunk"]
+    choices: list[ChatChunkChoice]
+
+
+class CompletionChunk(_ChunkEnvelope):
+    object: Literal["text_completion"]
+    choices: list[CompletionChoice]
+
+
+# ---- errors and probes ----
+
+class ErrorDetail(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The OpenAI error envelope: the body of every 4xx and 5xx, and the `data:` event of a failure mid-stream."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    error: ErrorDetail
+
+
+class Liveness(BaseModel):
+    status: Literal["alive"]
+
+
+class Health(BaseModel):
+    """GET /health when ready: the served model, its device and weight format, and the worker pool's figures."""
+
+    model_config = ConfigDict(extra="allow")  # further pool figures pass through
+
+    status: Literal["ok"]
+    model: str
+    device: str
+    dtype: str
+    quant: str
+    deterministic: bool
+    running: int
+    queued: int
+    generated_tokens: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    preemptions: int
+
+
+class HealthUnavailable(BaseModel):
+    """GET /health's 503: the model is still loading, or SIGTERM started a drain."""
+
+    status: Literal["loading", "draining", "unhealthy"]
+    error: str | None = None  # unhealthy: why (a worker stopped serving; the server is exiting)
 
 
 OpenAIRequest.model_rebuild()

@@ -8,9 +8,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from .errors import APIError, invalid
+from .openapi import PROMETHEUS_TEXT, RETRY_AFTER, errors
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-                       DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
-                       TokenizeResponse)
+                       DetokenizeRequest, DetokenizeResponse, Health, HealthUnavailable, Liveness, ModelCard,
+                       ModelList, TokenizeRequest, TokenizeResponse)
 from .serving import ModelState, check_model, check_token_ids
 from .serving_chat import ChatServing, chat_prompt_ids
 from .serving_completions import CompletionServing
@@ -39,59 +40,75 @@ def _card(state: ModelState) -> ModelCard:
     return ModelCard(id=state.model_id, created=state.created, max_model_len=state.runner.context_size)
 
 
-@router.get("/livez", summary="liveness: 200 while the process answers HTTP")
-async def livez() -> JSONResponse:
-    return JSONResponse({"status": "alive"})
+def _unavailable(status: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(HealthUnavailable(status=status).model_dump(), status_code=503, headers=headers)
 
 
-@router.get("/health", summary="readiness: 503 while the model loads or the server drains, 200 when ready")
-async def health(request: Request) -> JSONResponse:
+@router.get("/livez", response_model=Liveness, summary="liveness: 200 while the process answers HTTP")
+async def livez() -> Liveness:
+    return Liveness(status="alive")
+
+
+@router.get("/health", response_model=Health,
+            responses={503: {"model": HealthUnavailable, "headers": RETRY_AFTER,
+                             "description": "the model is still loading (with Retry-After), or the server drains"}},
+            summary="readiness: 503 while the model loads or the server drains, 200 when ready")
+async def health(request: Request) -> Health | JSONResponse:
     state: ModelState | None = request.app.state.model
     if request.app.state.draining:
-        return JSONResponse({"status": "draining"}, status_code=503)
+        return _unavailable("draining")
     if state is None:
-        return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": LOADING_RETRY_AFTER_S})
+        return _unavailable("loading", headers={"Retry-After": LOADING_RETRY_AFTER_S})
     failure = state.pool.failure
     if failure is not None:
-        return JSONResponse({"status": "unhealthy", "error": failure}, status_code=503)
+        return JSONResponse(HealthUnavailable(status="unhealthy", error=failure).model_dump(), status_code=503)
     runner = state.runner
-    return JSONResponse({"status": "ok", "model": state.model_id, "device": str(runner.device),
-                         "dtype": str(runner.dtype).removeprefix("torch."), "quant": runner.quant,
-                         "deterministic": runner.deterministic,
-                         **state.pool.stats()})
+    return Health(status="ok", model=state.model_id, device=str(runner.device),
+                  dtype=str(runner.dtype).removeprefix("torch."), quant=runner.quant,
+                  deterministic=runner.deterministic, **state.pool.stats())
 
 
-@router.get("/metrics", summary="Prometheus metrics, named as vLLM's with the prefix emberserve:")
+@router.get("/metrics", response_class=Response,
+            responses={200: {"description": "Prometheus text exposition format 0.0.4",
+                             "content": {PROMETHEUS_TEXT: {"schema": {"type": "string"}}}}},
+            summary="Prometheus metrics, named as vLLM's with the prefix emberserve:")
 async def metrics(request: Request) -> Response:
     body, content_type = request.app.state.metrics.exposition()
     return Response(body, media_type=content_type)
 
 
-@router.get("/v1/models", response_model=ModelList)
+@router.get("/v1/models", response_model=ModelList, responses=errors(503))
 async def list_models(request: Request) -> ModelList:
     return ModelList(data=[_card(_state(request))])
 
 
-@router.get("/v1/models/{model_id:path}", response_model=ModelCard)
+@router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=errors(404, 503))
 async def get_model(model_id: str, request: Request) -> ModelCard:
     return _card(_state_for(request, model_id))
 
 
-@router.post("/v1/chat/completions", response_model=None, responses={200: {"model": ChatCompletionResponse}})
+# 200 is a JSON body, or with `stream: true` an event stream (its event schema is added by server/openapi.py).
+_GENERATION_ERRORS = errors(400, 404, 413, 429, 503)
+_UTILITY_ERRORS = errors(400, 404, 413, 503)
+
+
+@router.post("/v1/chat/completions", response_model=None,
+             responses={200: {"model": ChatCompletionResponse}, **_GENERATION_ERRORS})
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     _state(request)
     chat: ChatServing = request.app.state.chat
     return await chat.create(body, request)
 
 
-@router.post("/v1/completions", response_model=None, responses={200: {"model": CompletionResponse}})
+@router.post("/v1/completions", response_model=None,
+             responses={200: {"model": CompletionResponse}, **_GENERATION_ERRORS})
 async def completions(body: CompletionRequest, request: Request) -> Any:
     _state(request)
     serving: CompletionServing = request.app.state.completions
     return await serving.create(body, request)
 
 
-@router.post("/tokenize", response_model=TokenizeResponse)
+@router.post("/tokenize", response_model=TokenizeResponse, responses=_UTILITY_ERRORS)
 async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     state = _state_for(request, body.model)
     if (body.prompt is None) == (body.messages is None):
@@ -103,7 +120,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=state.runner.context_size)
 
 
-@router.post("/detokenize", response_model=DetokenizeResponse)
+@router.post("/detokenize", response_model=DetokenizeResponse, responses=_UTILITY_ERRORS)
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     state = _state_for(request, body.model)
     check_token_ids(body.tokens, state.runner.vocab_size, "tokens")

@@ -87,6 +87,11 @@ class CompletionServing(OpenAIServing):
             raise invalid("prompt must not be empty", param="prompt")
         if isinstance(raw[0], int):
             raw = [raw]
+        # Checked before tokenizing: more prompts than a worker may queue could only end in a 429 that no retry cures.
+        limit = max(1, self.state.pool.max_queued)
+        if len(raw) > limit:
+            raise invalid(f"prompt is a list of {len(raw)} prompts; this server takes at most {limit} per request "
+                          "(its --max-queued)", param="prompt", code="too_many_prompts")
         prompts = []
         for item in raw:
             if isinstance(item, str):

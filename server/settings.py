@@ -52,7 +52,8 @@ class Settings(BaseSettings):
     max_context: PositiveInt | None = Field(None, description="cap the context below the model's")
     served_model_name: str | None = Field(None, description="the model id clients send (default: the model's name)")
     workers: PositiveInt = Field(1, description="runners, each on its own thread (with device cuda: one per GPU)")
-    max_queued: int = Field(256, ge=0, description="waiting requests per worker before answering 429")
+    max_queued: int = Field(256, ge=0, description="waiting requests per worker before answering 429; also the "
+                                                   "most prompts one completions request may list")
     max_running: PositiveInt | None = Field(
         None, description="sequences decoding together in one batch (default: 32 on CPU, 256 on a GPU)")
     max_batched_tokens: PositiveInt | None = Field(

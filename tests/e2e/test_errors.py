@@ -4,6 +4,7 @@ serving afterwards. Failures after a stream started are covered in-process in te
 """
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -68,6 +69,10 @@ BAD_REQUESTS = {
     "5 stop strings": (CHAT, chat(stop=["a", "b", "c", "d", "e"]), "stop", ["4"]),
     "messages a string": (CHAT, chat(messages="hi"), "messages", ["messages"]),
     "max_tokens a string": (CHAT, chat(max_tokens="ten"), "max_tokens", ["max_tokens"]),
+    # JSON types as the schema states them: no coercion of "5" or true to an integer, or of 1 to a boolean
+    "max_tokens a numeric string": (CHAT, chat(max_tokens="5"), "max_tokens", ["max_tokens"]),
+    "echo a number": (CMPL, cmpl(echo=1), "echo", ["echo"]),
+    "temperature a boolean": (CMPL, cmpl(temperature=True), "temperature", ["temperature"]),
     "prompt a number": (CMPL, cmpl(prompt=5), "prompt", ["prompt"]),
     "empty messages": (CHAT, chat(messages=[]), "messages", ["messages"]),
     "message without role": (CHAT, chat(messages=[{"content": "hi"}]), "messages.0.role", ["role"]),
@@ -82,6 +87,7 @@ BAD_REQUESTS = {
     "detokenize id out of range": ("/detokenize", {"tokens": [1, VOCAB + 10]}, "tokens", [str(VOCAB + 10)]),
     "detokenize negative id": ("/detokenize", {"tokens": [-3]}, "tokens", ["-3"]),
     "detokenize non-integer": ("/detokenize", {"tokens": ["a"]}, "tokens.0", []),
+    "detokenize a boolean id": ("/detokenize", {"tokens": [1, True]}, "tokens.1", []),
     "tokenize neither prompt nor messages": ("/tokenize", {}, "prompt", []),
 }
 
@@ -253,6 +259,81 @@ def test_body_that_is_not_a_json_object_is_a_400_envelope(http: httpx.Client) ->
               http.post(CHAT, content=b"{not json")):  # no content-type at all
         error = assert_envelope(r, 400, param=None)
         assert "json" in error["message"].lower(), error
+
+
+FAST_S = 5  # "answers at once rather than working on it or hanging", with room for a busy machine
+MAX_QUEUED = 256  # the session server's --max-queued (the default)
+
+
+def post_timed(http: httpx.Client, path: str, **kwargs: Any) -> tuple[httpx.Response, float]:
+    started = time.monotonic()
+    r = http.post(path, **kwargs)
+    return r, time.monotonic() - started
+
+
+@pytest.mark.parametrize("path", [CHAT, CMPL, "/tokenize"])
+def test_invalid_utf8_body_is_a_quick_400_saying_so(http: httpx.Client, path: str) -> None:
+    raw = b'{"model": "smollm2-135m", "prompt": "caf\xe9 \xff", "messages": [{"role": "user", "content": "hi"}]}'
+    r, elapsed = post_timed(http, path, content=raw, headers={"content-type": "application/json"})
+    error = assert_envelope(r, 400, param=None, type_="invalid_request_error")
+    assert "UTF-8" in error["message"], error
+    assert elapsed < FAST_S
+
+
+@pytest.mark.parametrize("field", ["prompt", "user", "stop"])
+def test_deeply_nested_json_is_a_quick_400_saying_so(http: httpx.Client, field: str) -> None:
+    """100,000 nested arrays: the parser's recursion limit, not a RecursionError 500 or a long walk."""
+    depth = 100_000
+    prompt = "" if field == "prompt" else ', "prompt": "hi"'
+    raw = f'{{"model": "{MODEL}", "max_tokens": 1{prompt}, "{field}": {"[" * depth}{"]" * depth}}}'
+    r, elapsed = post_timed(http, CMPL, content=raw.encode(), headers={"content-type": "application/json"})
+    error = assert_envelope(r, 400, param=None)
+    assert "nest" in error["message"] and "1,000" in error["message"], error
+    assert elapsed < FAST_S
+
+
+def test_nesting_the_parser_takes_is_still_a_plain_validation_400(http: httpx.Client) -> None:
+    raw = f'{{"model": "{MODEL}", "prompt": {"[" * 500}1{"]" * 500}, "max_tokens": 1}}'
+    r, elapsed = post_timed(http, CMPL, content=raw.encode(), headers={"content-type": "application/json"})
+    assert_envelope(r, 400, param="prompt")
+    assert elapsed < FAST_S
+
+
+@pytest.mark.parametrize("path,body,param", [
+    (CMPL, cmpl(prompt="caf\ud800e"), "prompt"),
+    (CMPL, cmpl(prompt=["ok", "\udfff"]), "prompt"),
+    (CMPL, cmpl(model="\ud83d"), "model"),
+    (CHAT, chat(messages=[{"role": "user", "content": "x\ud800"}]), "messages.0.content"),
+    (CHAT, chat(messages=[{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]),
+     "messages.0.content"),
+    (CHAT, chat(stop=["\udc00"]), "stop"),
+    ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+], ids=["prompt", "prompt-list", "model", "message", "text-part", "stop", "tokenize"])
+def test_lone_surrogate_is_a_400_naming_the_field(http: httpx.Client, path: str, body: dict, param: str) -> None:
+    """JSON escapes like \\ud800 that pair with nothing are no text: the tokenizer and the UTF-8 response body
+    would fail on them (a 500 before)."""
+    raw = json.dumps(body)  # ensure_ascii: the lone surrogate travels as its \u escape, as a client would send it
+    error = assert_envelope(http.post(path, content=raw, headers={"content-type": "application/json"}), 400,
+                            param=param)
+    assert "surrogate" in error["message"], error
+
+
+def test_a_paired_surrogate_escape_is_a_character(http: httpx.Client) -> None:
+    raw = json.dumps({"prompt": "\U0001F600"})  # sent as the pair \ud83d\ude00
+    assert "\\ud83d\\ude00" in raw
+    r = http.post("/tokenize", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("prompts", [[f"prompt {i}" for i in range(10_000)], [[1, 2, 3]] * (MAX_QUEUED + 1)],
+                         ids=["10k-strings", "max-queued+1-token-lists"])
+def test_more_prompts_than_the_queue_holds_is_a_quick_400(http: httpx.Client, prompts: list) -> None:
+    """Checked before tokenizing or queueing: not a slow 429 that retrying cannot cure."""
+    r, elapsed = post_timed(http, CMPL, json=cmpl(prompt=prompts, max_tokens=1))
+    error = assert_envelope(r, 400, param="prompt", code="too_many_prompts")
+    assert str(len(prompts)) in error["message"] and str(MAX_QUEUED) in error["message"], error
+    assert elapsed < FAST_S
+    assert http.get("/health").json()["queued"] == 0
 
 
 def test_server_still_serves_after_all_errors(client: openai.OpenAI, http: httpx.Client) -> None:

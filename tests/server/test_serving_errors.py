@@ -219,3 +219,35 @@ def test_unexpected_exception_in_a_route_is_a_500_envelope(failing, monkeypatch:
         assert ok.status_code == 200, ok.text
 
     run_app(scenario)
+
+
+@pytest.mark.parametrize("path,body", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)],
+                         ids=["chat", "completions"])
+def test_unexpected_exception_mid_stream_is_an_error_event_then_done(
+        failing, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, path: str, body: dict) -> None:
+    """A bug in the streaming code itself (here: building the usage chunk), after the 200 went out: the stream
+    still ends with a 500 error event and [DONE] rather than a dropped connection, and the traceback is logged."""
+    failing(RuntimeError(SECRET)).on = False
+
+    def broken(self, *args):
+        raise KeyError(SECRET)
+
+    monkeypatch.setattr("server.serving.OpenAIServing.usage", broken)
+
+    async def scenario(http: httpx.AsyncClient, app) -> None:
+        r = await http.post(path, json={**body, "stream": True, "stream_options": {"include_usage": True}})
+        assert r.status_code == 200
+        assert_no_internals(r.text)
+        data = sse_data(r.text)
+        assert data[-1] == "[DONE]", data
+        events = [json.loads(d) for d in data[:-1]]
+        assert events[0]["choices"] and all("error" not in e for e in events[:-1]), events
+        assert set(events[-1]) == {"error"}, events[-1]
+        assert_envelope(events[-1]["error"])
+        assert events[-1]["error"]["type"] == "server_error"
+        metric = app.state.metrics.registry.get_sample_value
+        assert metric("emberserve:request_failure_total", {"error_type": "server_error"}) == 1
+
+    run_app(scenario)
+    logged = [r for r in caplog.records if r.getMessage().startswith("unhandled error while streaming")]
+    assert len(logged) == 1 and logged[0].exc_info is not None and SECRET in str(logged[0].exc_info[1])
