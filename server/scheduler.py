@@ -64,13 +64,16 @@ class Scheduler:
     """Owns the waiting and running sequences of one runner; `step()` advances them all by one forward pass."""
 
     def __init__(self, runner: Runner, max_batched_tokens: int = 512, max_running: int = 32) -> None:
+        if max_batched_tokens < max_running:
+            # A step's budget must hold a token of every running sequence, or some would wait behind the others.
+            raise ValueError(f"max_batched_tokens ({max_batched_tokens}) must be at least max_running "
+                             f"({max_running}): every running sequence decodes one token each step")
         self.runner, self.max_batched_tokens, self.max_running = runner, max_batched_tokens, max_running
         self.waiting: deque[Unit] = deque()
         self.running: list[Unit] = []
         self._gens: dict[Generation, _GenState] = {}
         self._take: dict[Unit, int] = {}
         self._stepping: list[Unit] = []  # the units of the step under way, failed together if it crashes
-        self._cursor = 0                 # where the next step starts among the decoding sequences (fairness)
         self.generated_tokens = 0
         self.preemptions = 0
         self.events = EventBatch()
@@ -137,12 +140,10 @@ class Scheduler:
 
     # ---- one step ----
     def _running_order(self) -> list[Unit]:
-        """Decoding sequences first, from a cursor that moves on each step (so that a token budget smaller than
-        the batch serves every sequence in turn), then prompts still being prefilled, oldest first."""
-        decoding = [u for u in self.running if u.kv.num_pending <= 1]
-        prefilling = [u for u in self.running if u.kv.num_pending > 1]
-        start = self._cursor % len(decoding) if decoding else 0
-        return decoding[start:] + decoding[:start] + prefilling
+        """Decoding sequences first (the budget holds one token of each), then prompts still being prefilled,
+        oldest first, with what is left of it."""
+        return ([u for u in self.running if u.kv.num_pending <= 1]
+                + [u for u in self.running if u.kv.num_pending > 1])
 
     def _refused(self, unit: Unit, take: int) -> bool:
         """Fail the unit's generation if the runner would refuse its next row (before blocks are spent on it)."""
@@ -156,7 +157,6 @@ class Scheduler:
         """Pick this step's units and give each the blocks it needs; a unit computes min(pending, budget) tokens."""
         blocks, budget, chosen = self.runner.blocks, self.max_batched_tokens, []
         self._take = {}
-        decoded = 0
         for unit in self._running_order():
             if unit not in self.running or budget <= 0 or unit.gen.backlogged:
                 continue  # preempted or failed meanwhile, out of budget, or paused: its reader is far behind
@@ -173,9 +173,7 @@ class Scheduler:
             blocks.allocate(unit.kv, unit.kv.num_computed + take)
             self._take[unit] = take
             chosen.append(unit)
-            decoded += take == 1
             budget -= take
-        self._cursor += decoded
         while self.waiting and budget > 0 and (not self.running or
                                                len(self.running) + self.waiting[0].slots <= self.max_running):
             unit = self.waiting[0]

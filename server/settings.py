@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, SecretStr, field_validator
+from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
@@ -91,6 +91,14 @@ class Settings(BaseSettings):
         30.0, ge=0, description="seconds a SIGTERM waits for in-flight requests before exiting")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
     log_format: Literal["text", "json"] = Field("text", description="text lines, or one JSON object per line")
+
+    @model_validator(mode="after")
+    def _budget_holds_the_batch(self) -> Settings:
+        running, budget = device_default(self, "max_running"), device_default(self, "max_batched_tokens")
+        if budget < running:
+            raise ValueError(f"max_batched_tokens ({budget}) must be at least max_running ({running}): every "
+                             "running sequence decodes one token in each forward pass")
+        return self
 
     @field_validator("allowed_origins", mode="before")
     @classmethod

@@ -107,5 +107,5 @@ def test_health_declares_its_ready_and_unavailable_bodies() -> None:
     assert responses["200"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/Health"}
     assert responses["503"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/HealthUnavailable"}
-    assert schemas["HealthUnavailable"]["properties"]["status"]["enum"] == ["loading", "draining"]
+    assert schemas["HealthUnavailable"]["properties"]["status"]["enum"] == ["loading", "draining", "unhealthy"]
     assert {"status", "model", "running", "queued", "kv_blocks_total"} <= set(schemas["Health"]["required"])

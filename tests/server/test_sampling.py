@@ -10,7 +10,7 @@ import torch
 from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
-from server.sampling import (GREEDY_TEMPERATURE, MIN_REPETITION_PENALTY, SampledToken, SamplingParams,
+from server.sampling import (GREEDY_TEMPERATURE, SampledToken, SamplingParams,
                              SequenceSampler, _inverse_cdf, sample_batch, sampling_probs)
 
 DRAWS = 20_000
@@ -55,7 +55,6 @@ def assert_same_distribution(ours: torch.Tensor, reference: torch.Tensor) -> Non
 @pytest.mark.parametrize("field, value", [
     ("temperature", -0.1), ("temperature", math.nan), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
     ("min_p", -0.1), ("min_p", 1.1), ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
-    ("repetition_penalty", MIN_REPETITION_PENALTY / 2), ("repetition_penalty", 1e-300),
     ("top_logprobs", 21), ("top_logprobs", -1), ("presence_penalty", math.inf),
 ])
 def test_nonsense_params_raise_naming_the_field(field: str, value: float) -> None:
@@ -110,7 +109,7 @@ def test_low_temperature_is_greedy() -> None:
 def test_temperatures_too_small_to_divide_by_are_greedy(temperature: float) -> None:
     """Logits / 1e-300 overflow float32 to inf and the draw's weights to NaN: such rows take the argmax instead."""
     logits = random_logits(4, 300, seed=2)
-    extremes = dict(prompt=[int(logits[0].argmax())], repetition_penalty=MIN_REPETITION_PENALTY,
+    extremes = dict(prompt=[int(logits[0].argmax())], repetition_penalty=5e-324,
                     logit_bias={7: 100.0, 8: -100.0})
     samplers = [sampler(300, temperature=temperature, seed=i, **extremes) for i in range(4)]
     greedy = sampling_probs(logits, [sampler(300, temperature=0, **extremes) for _ in range(4)])
@@ -121,7 +120,7 @@ def test_the_extreme_parameters_still_draw_from_finite_weights() -> None:
     """The smallest sampled temperature with the smallest repetition penalty and the largest biases: the draw's
     distribution stays finite and sums to 1, and each token drawn is one of positive probability."""
     logits = random_logits(8, 1000, scale=10.0, seed=3)
-    params = dict(temperature=GREEDY_TEMPERATURE, repetition_penalty=MIN_REPETITION_PENALTY, top_p=0.9,
+    params = dict(temperature=GREEDY_TEMPERATURE, repetition_penalty=5e-324, top_p=0.9,
                   logit_bias={1: 100.0, 2: 100.0, 3: -100.0})
     samplers = [sampler(1000, prompt=[1, 3, 5], seed=i, **params) for i in range(8)]
     probs = sampling_probs(logits, samplers)

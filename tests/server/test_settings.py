@@ -86,3 +86,12 @@ def test_load_progress_draws_a_bar_on_a_terminal_and_logs_steps_otherwise(caplog
             quiet("packing int4 weights", i, 100)
     assert [r.getMessage() for r in caplog.records] == [f"packing int4 weights: {p}% ({p}/100)"
                                                         for p in (1, 26, 51, 76, 100)]
+
+
+def test_a_token_budget_below_the_batch_is_refused() -> None:
+    with pytest.raises(ValidationError, match=r"max_batched_tokens \(16\) must be at least max_running \(32\)"):
+        Settings(max_batched_tokens=16)
+    with pytest.raises(ValidationError, match=r"max_batched_tokens \(512\) must be at least max_running \(600\)"):
+        Settings(max_running=600)
+    assert Settings(max_batched_tokens=16, max_running=16).max_running == 16
+    assert Settings(device="cuda", max_running=600).max_running == 600  # the GPU's default budget holds 8192
