@@ -41,7 +41,8 @@ def _card(state: ModelState) -> ModelCard:
 
 
 def _unavailable(status: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(HealthUnavailable(status=status).model_dump(), status_code=503, headers=headers)
+    body = HealthUnavailable(status=status).model_dump(exclude_none=True)
+    return JSONResponse(body, status_code=503, headers=headers)
 
 
 @router.get("/livez", response_model=Liveness, summary="liveness: 200 while the process answers HTTP")
@@ -61,7 +62,8 @@ async def health(request: Request) -> Health | JSONResponse:
         return _unavailable("loading", headers={"Retry-After": LOADING_RETRY_AFTER_S})
     failure = state.pool.failure
     if failure is not None:
-        return JSONResponse(HealthUnavailable(status="unhealthy", error=failure).model_dump(), status_code=503)
+        return JSONResponse(HealthUnavailable(status="unhealthy", error=failure).model_dump(exclude_none=True),
+                            status_code=503)
     runner = state.runner
     return Health(status="ok", model=state.model_id, device=str(runner.device),
                   dtype=str(runner.dtype).removeprefix("torch."), quant=runner.quant,

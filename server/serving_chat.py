@@ -106,7 +106,25 @@ class ChatServing(OpenAIServing):
                 lp = {"content": [m.model_dump() for m in self._logprobs(pending)], "refusal": None}
             return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
 
-        pending: list[list[TokenLogprob]] = [[] for _ in range(gen.n)]
+        # What arrived for each choice since the last chunks went out. Everything already waiting is read before
+        # anything is sent, so a reader that falls behind sends one chunk per choice for several tokens.
+        texts, pending = [""] * gen.n, [[] for _ in range(gen.n)]
+        finish: list[str | None] = [None] * gen.n
+        usage = None
+
+        def flush() -> list[str]:
+            out = []
+            for i in range(gen.n):
+                if texts[i]:
+                    out.append(chunk([choice(i, {"content": texts[i]}, pending[i])]))
+                    texts[i], pending[i] = "", []
+                if finish[i] is not None:
+                    out.append(chunk([choice(i, {}, pending[i] if pending[i] else None, finish[i])]))
+                    finish[i], pending[i] = None, []
+            if usage is not None:
+                out.append(chunk([], usage, last=True))
+            return out
+
         try:
             async with aclosing(self.events([gen])) as events:
                 for i in range(gen.n):
@@ -115,15 +133,14 @@ class ChatServing(OpenAIServing):
                     if isinstance(event, ChoiceDelta):
                         i = event.index
                         pending[i] += event.logprobs or []
-                        if event.text:
-                            yield chunk([choice(i, {"content": event.text}, pending[i])])
-                            pending[i] = []
-                        if event.finish_reason is not None:
-                            yield chunk([choice(i, {}, pending[i] if pending[i] else None, event.finish_reason)])
+                        texts[i] += event.text
+                        finish[i] = event.finish_reason
                     elif isinstance(event, GenerationDone) and include_usage:
                         usage = self.usage(event.prompt_tokens, event.completion_tokens,
                                            event.cached_tokens).model_dump()
-                        yield chunk([], usage, last=True)
+                    if gen.channel.empty():
+                        for line in flush():
+                            yield line
         except APIError as e:
             yield self.stream_error(e)
         yield DONE

@@ -168,7 +168,26 @@ class CompletionServing(OpenAIServing):
         total = len(gens) * n
         builders = [_LogprobsBuilder(self) for _ in range(total)] if req.logprobs is not None else None
         started = [False] * total
+        # What arrived for each choice since the last chunks went out. Everything already waiting is read before
+        # anything is sent, so a reader that falls behind sends one chunk per choice for several tokens.
+        texts, finish = [""] * total, [None] * total
+        dirty: dict[int, None] = {}  # choices with something to send, in the order it came
+        channel = gens[0].channel
         prompt_tokens = completion_tokens = cached_tokens = 0
+
+        def flush() -> list[str]:
+            out = []
+            for i in dirty:
+                b = builders[i] if builders else None
+                if texts[i] or (b is not None and b.tokens):
+                    out.append(chunk([choice(i, texts[i], b)]))
+                    texts[i] = ""
+                if finish[i] is not None:
+                    out.append(chunk([choice(i, "", None, finish[i])]))
+                    finish[i] = None
+            dirty.clear()
+            return out
+
         try:
             async with aclosing(self.events(gens)) as events:
                 async for gen, event in events:
@@ -176,25 +195,26 @@ class CompletionServing(OpenAIServing):
                     if isinstance(event, PromptLogprobs):
                         for i in range(base, base + n):
                             b = builders[i] if builders else None
-                            yield chunk([choice(i, self._choice_start(prompt, True, b, event.entries), b)])
+                            texts[i] += self._choice_start(prompt, True, b, event.entries)
                             started[i] = True
+                            dirty[i] = None
                     elif isinstance(event, ChoiceDelta):
                         i = base + event.index
-                        b = builders[i] if builders else None
-                        text = event.text
                         if not started[i]:
-                            text, started[i] = self._choice_start(prompt, req.echo, None, None) + text, True
-                        if b is not None:
+                            texts[i], started[i] = texts[i] + self._choice_start(prompt, req.echo, None, None), True
+                        texts[i] += event.text
+                        if builders:
                             for entry in event.logprobs or []:
-                                b.add(entry, entry.token)
-                        if text or (b is not None and b.tokens):
-                            yield chunk([choice(i, text, b)])
-                        if event.finish_reason is not None:
-                            yield chunk([choice(i, "", None, event.finish_reason)])
+                                builders[i].add(entry, entry.token)
+                        finish[i] = event.finish_reason
+                        dirty[i] = None
                     elif isinstance(event, GenerationDone):
                         prompt_tokens += event.prompt_tokens
                         completion_tokens += event.completion_tokens
                         cached_tokens += event.cached_tokens
+                    if channel.empty():
+                        for line in flush():
+                            yield line
             if include_usage:
                 yield chunk([], self.usage(prompt_tokens, completion_tokens, cached_tokens).model_dump())
         except APIError as e:

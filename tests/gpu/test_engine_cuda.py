@@ -22,7 +22,7 @@ def tinies(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def _decode(runner, seqs, steps: int) -> list[torch.Tensor]:
-    """Greedy decode steps of all `seqs` together; the logits of each step on the host."""
+    """Prefill `seqs`, then greedy decode steps of all of them together; the logits of each step on the host."""
     logits = runner.step([StepRow(s, s.num_computed, len(s.tokens)) for s in seqs])
     out = []
     for _ in range(steps):
@@ -71,8 +71,7 @@ def test_graph_replay_equals_eager_steps(tinies, variant, dtype) -> None:
             assert bucket_of(5, runner.graphs.buckets) == 8
         seqs = [runner.new_sequence(prompt_ids(tiny, i % 2, n), use_prefix_cache=False) for i, n in
                 enumerate([3, 17, 9, 30, 12])]
-        runner.step([StepRow(s, 0, len(s.tokens)) for s in seqs])  # prefill (eager either way)
-        results.append(_decode(runner, seqs, 12))
+        results.append(_decode(runner, seqs, 12))  # the prefill is eager either way
         for s in seqs:
             runner.free_sequence(s)
         assert runner.blocks.num_used == 0
