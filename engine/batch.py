@@ -83,16 +83,18 @@ def _consecutive(table: list[int]) -> bool:
     return table[-1] - table[0] == len(table) - 1 and all(b - a == 1 for a, b in zip(table, table[1:]))
 
 
-def _tables(tables: list[list[int]], device: torch.device) -> Tensor:
-    """[R, widest] int32, each table padded with its own first block (a valid block, never read past its length)."""
-    widest = max(len(t) for t in tables)
+def _tables(tables: list[list[int]], device: torch.device, width: int | None = None) -> Tensor:
+    """[R, width or the widest] int32, each table padded with its own first block (a valid block, never read past
+    its length)."""
+    widest = max(width or 0, max(len(t) for t in tables))
     return torch.tensor([t + [t[0]] * (widest - len(t)) for t in tables], dtype=torch.int32, device=device)
 
 
 def build_batch(rows: list[StepRow], block_size: int, window: int | None, device: torch.device, *,
-                paged: bool = False, deterministic: bool = False) -> ForwardBatch:
+                paged: bool = False, table_width: int | None = None, deterministic: bool = False) -> ForwardBatch:
     """Lay out `rows` as one flat forward pass; `window` is the sliding-window size (None: no sliding layers);
-    `paged`: attention over cached blocks through the paged kernels (block tables) rather than gathers."""
+    `paged`: attention over cached blocks through the paged kernels (block tables) rather than gathers, the tables
+    `table_width` wide (the width CUDA-graph steps use: then every step launches the kernels compiled for those)."""
     decode_rows = [row for row in rows if row.end - row.start == 1]
     short_rows = [row for row in rows if 1 < row.end - row.start < DENSE_MIN_ROWS]
     prefill_rows = short_rows + [row for row in rows if row.end - row.start >= DENSE_MIN_ROWS]
@@ -121,7 +123,7 @@ def build_batch(rows: list[StepRow], block_size: int, window: int | None, device
     span_first = span_length = 0
     key_blocks = full_mask = sliding_mask = block_tables = seq_lens = None
     if paged and decode_rows:
-        block_tables = _tables([blocks(row) for row in decode_rows], device)
+        block_tables = _tables([blocks(row) for row in decode_rows], device, table_width)
         seq_lens = torch.tensor([row.end for row in decode_rows], dtype=torch.int32, device=device)
     elif len(decode_rows) == 1 and _consecutive(blocks(decode_rows[0])):
         span_first, span_length = decode_rows[0].seq.block_table[0] * block_size, decode_rows[0].end
@@ -162,7 +164,7 @@ def build_batch(rows: list[StepRow], block_size: int, window: int | None, device
     if cached:
         paged_prefill = torch.tensor([[b for b, _ in cached], [r.end - r.start for _, r in cached],
                                       [r.end for _, r in cached]], dtype=torch.int32, device=device)
-        prefill_tables = _tables([blocks(r) for _, r in cached], device)
+        prefill_tables = _tables([blocks(r) for _, r in cached], device, table_width)
     return ForwardBatch(
         tensor(ids), tensor(positions), tensor(slots), tensor(logit_index), block_size, packed, deterministic,
         len(decode_rows), span_first, span_length, key_blocks, full_mask, sliding_mask, block_tables, seq_lens,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -157,7 +158,8 @@ class Runner:
             logits = self.graphs.run(rows)
         else:
             batch = build_batch(rows, self.blocks.block_size, self.config.sliding_window, self.device,
-                                paged=self.paged_attention, deterministic=self.deterministic)
+                                paged=self.paged_attention, deterministic=self.deterministic,
+                                table_width=table_width(self.context_size, self.blocks.block_size))
             logits = self.model(batch, self.cache)
         for row in rows:
             row.seq.num_computed = row.end
@@ -170,9 +172,27 @@ class Runner:
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {self.device.type}")
         bs = self.blocks.block_size
+        started = time.perf_counter()
+        self._warm_up_kernels()
         self.graphs = DecodeGraphs(self.model, self.cache, max_batch, table_width(self.context_size, bs),
                                    trash_slot=self.blocks.num_blocks * bs)
-        return self.graphs.capture()
+        self.graphs.capture()
+        return time.perf_counter() - started
+
+    def _warm_up_kernels(self) -> None:
+        """Steps of every kind the eager path runs (a fresh chunk, a chunk over cached blocks beside a decode row),
+        so that their kernels are compiled now rather than while serving."""
+        bs = self.blocks.block_size
+        seq = self.new_sequence([0] * (2 * bs + 3), use_prefix_cache=False)
+        other = self.new_sequence([0] * (bs + 1), use_prefix_cache=False)
+        try:
+            self.step([StepRow(seq, 0, bs + 1), StepRow(other, 0, bs + 1)])
+            other.tokens.append(0)
+            self.step([StepRow(other, bs + 1, bs + 2), StepRow(seq, bs + 1, 2 * bs + 3)])
+        finally:
+            self.free_sequence(seq)
+            self.free_sequence(other)
+            self.blocks.reset_prefix_cache()
 
     # ---- one session ----
     def _start_session(self, seq: KVSequence | None) -> None:

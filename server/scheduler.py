@@ -58,6 +58,7 @@ class _GenState:
     cached_tokens: int = 0
     completion_tokens: int = 0
     open_choices: int = 0
+    started: bool = False  # its prompt was admitted to the running batch once
 
 
 class Scheduler:
@@ -76,6 +77,7 @@ class Scheduler:
         self._stepping: list[Unit] = []  # the units of the step under way, failed together if it crashes
         self.generated_tokens = 0
         self.preemptions = 0
+        self.num_queued = 0  # generations not started yet (read from other threads: one int, always current)
         self.events = EventBatch()
 
     @property
@@ -89,6 +91,7 @@ class Scheduler:
         kv = KVSequence(list(gen.prompt_ids))
         self._gens[gen] = _GenState(prompt_tokens=len(gen.prompt_ids))
         self.waiting.append(Unit(gen, kv))
+        self.num_queued += 1
 
     # ---- bookkeeping ----
     def _drop(self, gen: Generation) -> None:
@@ -99,7 +102,9 @@ class Scheduler:
         for unit in [u for u in self.waiting if u.gen is gen]:
             self.waiting.remove(unit)
             self.runner.free_sequence(unit.kv)
-        self._gens.pop(gen, None)
+        state = self._gens.pop(gen, None)
+        if state is not None and not state.started:
+            self.num_queued -= 1
 
     def drop_cancelled(self) -> None:
         for gen in [g for g in self._gens if g.cancelled]:
@@ -207,6 +212,10 @@ class Scheduler:
             self.waiting.popleft()
             blocks.allocate(unit.kv, unit.kv.num_computed + take)
             self.running.append(unit)
+            state = self._gens[unit.gen]
+            if not state.started:
+                state.started = True
+                self.num_queued -= 1
             self._take[unit] = take
             chosen.append(unit)
             budget -= take
@@ -244,18 +253,18 @@ class Scheduler:
             return
         units, rows, logits = done
         self._stepping = units
-        finished_rows, offset = [], 0
+        finished: list[tuple[Unit, int]] = []  # units whose next token is due, and their row of `logits`
+        offset = 0
         for unit, row in zip(units, rows):
             if row.logits == "none":
                 continue
             n = row.end - row.start if row.logits == "all" else 1
-            chunk = logits[offset:offset + n]
-            offset += n
             if row.logits == "all":
-                self._collect_prompt_logprobs(unit, row, chunk)
+                self._collect_prompt_logprobs(unit, row, logits[offset:offset + n])
+            offset += n
             if row.end == len(unit.kv.tokens):
-                finished_rows.append((unit, chunk[-1]))
-        self._sample(finished_rows)
+                finished.append((unit, offset - 1))
+        self._sample(finished, logits)
         self._cap_running()
         self._stepping = []
         self.events.flush()
@@ -307,24 +316,33 @@ class Scheduler:
                 self.waiting.appendleft(unit)
                 excess -= 1
 
-    def _sample(self, rows: list[tuple[Unit, torch.Tensor]]) -> None:
-        todo: list[tuple[Unit, torch.Tensor]] = []
-        for unit, last in rows:
+    def _sample(self, finished: list[tuple[Unit, int]], logits: torch.Tensor) -> None:
+        """Sample the next token of every unit in `finished` from its row of `logits` (a prompt: its choices')."""
+        todo: list[Unit] = []
+        index: list[int] = []
+        for unit, row in finished:
             if unit.choice is None:
-                gen = unit.gen
-                if gen.max_tokens == 0:
+                if unit.gen.max_tokens == 0:
                     self._finish_empty(unit)
                     continue
-                todo += [(choice, last) for choice in self._fork(unit)]
+                choices = self._fork(unit)
+                todo += choices
+                index += [row] * len(choices)
             else:
-                todo.append((unit, last))
+                todo.append(unit)
+                index.append(row)
         if not todo:
             return
-        for unit, _ in todo:
-            early = unit.stopper.num_tokens < unit.gen.min_tokens and not unit.gen.ignore_eos
-            unit.sampler.suppressed = self._end_ids(unit.gen) if early else None
-        sampled = sample_batch(torch.stack([last for _, last in todo]), [u.sampler for u, _ in todo])
-        for (unit, _), s in zip(todo, sampled):
+        for unit in todo:
+            if unit.stopper.num_tokens < unit.gen.min_tokens and not unit.gen.ignore_eos:
+                unit.sampler.suppressed = self._end_ids(unit.gen)
+            elif unit.sampler.suppressed is not None:
+                unit.sampler.suppressed = None
+        # The common step (every row a decode row's next token, in order) samples the logits as they are.
+        rows = logits if index == list(range(len(logits))) else \
+            logits.index_select(0, torch.tensor(index, device=logits.device))
+        sampled = sample_batch(rows, [u.sampler for u in todo])
+        for unit, s in zip(todo, sampled):
             self._advance(unit, s.token, s.logprob, s.top_logprobs)
 
     def _end_ids(self, gen: Generation) -> torch.Tensor | None:

@@ -1,14 +1,15 @@
 """Server-sent events as the OpenAI client reads them: `data: <json>` events, then `data: [DONE]`."""
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
-from sse_starlette.sse import EventSourceResponse, SendTimeoutError
-from starlette.types import Receive, Scope, Send
+from sse_starlette.sse import EventSourceResponse
+from starlette.types import Message, Receive, Scope, Send
 
 from .errors import APIError, count, internal_error
 
@@ -25,20 +26,53 @@ class _EventStream(EventSourceResponse):
     - An unexpected failure of the producer ends the stream with an error event and [DONE]: the 200 and the first
       events are sent by then, so the exception handlers cannot answer for it, and without this the connection
       would just drop (a truncated stream instead of an error).
-    - A send that waits longer than `send_timeout` (a client that stopped reading) cuts the stream.
+    - A send that waits longer than `stall_timeout` seconds (a client that stopped reading) cuts the stream.
     """
 
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None], **kwargs: Any) -> None:
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None], stall_timeout: float | None,
+                 **kwargs: Any) -> None:
         super().__init__(events, **kwargs)
-        self._on_close = on_close
+        self._on_close, self._stall_timeout = on_close, stall_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.body_iterator = _guarded(self.body_iterator, scope)
+        loop = asyncio.get_running_loop()
+        stalled_since: float | None = None  # when the send under way began
+        cut = False
+
+        async def timed_send(message: Message) -> None:
+            nonlocal stalled_since
+            stalled_since = loop.time()
+            try:
+                await send(message)
+            finally:
+                stalled_since = None
+
+        async def watchdog(task: asyncio.Task, timeout: float) -> None:
+            # One timer a stream rather than sse-starlette's cancel scope around every send: at a few hundred
+            # streams that scope was a seventh of the event loop's time.
+            nonlocal cut
+            while True:
+                await asyncio.sleep(min(1.0, timeout / 4))
+                if stalled_since is not None and loop.time() - stalled_since > timeout:
+                    cut = True
+                    task.cancel()
+                    return
+
+        task = asyncio.current_task()
+        guard = None
+        if self._stall_timeout is not None and task is not None:
+            guard = asyncio.create_task(watchdog(task, self._stall_timeout))
         try:
-            await super().__call__(scope, receive, send)
-        except SendTimeoutError:  # the response has started: all there is to do is close the connection
-            log.info("the client stopped reading for %.0f s: stream cut", self.send_timeout)
+            await super().__call__(scope, receive, timed_send)
+        except asyncio.CancelledError:
+            if not cut:
+                raise
+            task.uncancel()  # our own cancellation, handled: the response has started, so just close
+            log.info("the client stopped reading for %.0f s: stream cut", self._stall_timeout)
         finally:
+            if guard is not None:
+                guard.cancel()
             self._on_close()
 
 
@@ -61,7 +95,7 @@ def sse_response(events: AsyncIterator[str], on_close: Callable[[], None],
 
     A send that waits longer than `send_timeout` seconds (a client that stopped reading) cuts the stream.
     """
-    return _EventStream(events, on_close, sep="\n", ping=PING_SECONDS, send_timeout=send_timeout,
+    return _EventStream(events, on_close, send_timeout, sep="\n", ping=PING_SECONDS,
                         headers={"Cache-Control": "no-cache"})
 
 

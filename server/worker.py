@@ -64,8 +64,8 @@ class Worker:
 
     @property
     def queued(self) -> int:
-        return self._inbox.qsize() + len({u.gen for u in list(self.scheduler.waiting)} -
-                                         {u.gen for u in list(self.scheduler.running)})
+        """Requests submitted and not started yet (O(1): read on every submission)."""
+        return self._inbox.qsize() + self.scheduler.num_queued
 
     @property
     def load(self) -> int:
