@@ -6,6 +6,7 @@ import hashlib
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -145,11 +146,18 @@ def _stop_serving(app: FastAPI, reason: str) -> None:
         app.state.request_shutdown()
 
 
+# How long a thread may hold the GIL while another waits for it (Python's default: 5 ms). The worker thread
+# needs the GIL back after every GPU call, and the event loop, busy with a few hundred streams, would keep it for
+# the whole default interval each time: the GPU then idles for most of each step.
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
 def create_app(settings: Settings) -> FastAPI:
     """An app that answers /health with 503 while the model loads, then serves the OpenAI API."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         loading = asyncio.create_task(_load_in_background(app, settings))
         try:
             yield
