@@ -203,6 +203,9 @@ def engine_part(runner: Any, args: argparse.Namespace, budget: Budget, roofline:
             row = {"batch": batch, "steps": args.decode_steps,
                    "ms_per_step": round(1000 * elapsed / args.decode_steps, 3),
                    "tokens_per_s": round(batch * args.decode_steps / elapsed, 1), "prefill_s": round(prefill_s, 3)}
+            graphs = getattr(runner, "graphs", None)
+            if graphs is not None and graphs.serves([StepRow(s, s.num_computed, len(s.tokens)) for s in seqs]):
+                row["graph_replay_ms"] = round(1000 * graph_replay_s(graphs, batch), 3)  # the GPU's share
             if batch == 1 and roofline:
                 row["fraction_of_roofline"] = round(row["tokens_per_s"] / roofline, 4)
             rows.append(row)
@@ -214,6 +217,19 @@ def engine_part(runner: Any, args: argparse.Namespace, budget: Budget, roofline:
         last = time.monotonic() - t0
         log(f"  engine batch {batch}: {rows[-1]}")
     return rows
+
+
+def graph_replay_s(graphs: Any, rows: int, repeats: int = 20) -> float:
+    """Seconds one replay of the bucket's graph takes back to back (inputs as last filled): the step's GPU time."""
+    from engine.cuda_graphs import bucket_of
+
+    graph, _ = graphs._graphs[bucket_of(rows, graphs.buckets)]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / repeats
 
 
 def ttft_part(runner: Any, args: argparse.Namespace, budget: Budget) -> list[dict]:
@@ -314,8 +330,16 @@ async def _load(serve: Any, base: str, shape: Shape, args: argparse.Namespace, b
             prompts = [random_ids(args.server_prompt_tokens, shape.vocab, rng) for _ in range(n)]
             warmup = random_ids(args.server_prompt_tokens, shape.vocab, rng) if i == 0 else ""
             t0 = time.monotonic()
-            row, _ = await bench.scenario(f"c{c}", args.server_prompt_tokens, prompts.__getitem__, len(prompts), c,
-                                          args.server_max_tokens, warmup)
+            processes = args.client_processes or max(1, c // 16)
+            if processes > 1:
+                if warmup:
+                    await bench.request(warmup, args.server_max_tokens)
+                row = await asyncio.to_thread(serve.scenario_in_processes, base, model, f"c{c}",
+                                              args.server_prompt_tokens, prompts, c, args.server_max_tokens,
+                                              max(10.0, budget.left()), processes)
+            else:
+                row, _ = await bench.scenario(f"c{c}", args.server_prompt_tokens, prompts.__getitem__, len(prompts),
+                                              c, args.server_max_tokens, warmup)
             last, last_c = time.monotonic() - t0, c
             rows.append(row)
             log(f"  server concurrency {c}: {row['output_tok_s']} output tok/s, TTFT p50 {row['ttft_p50_ms']} ms, "
@@ -511,6 +535,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--keep-model-dir", action="store_true")
     ap.add_argument("--json-out", type=Path, help="write the JSON here (after every part)")
     ap.add_argument("--no-cuda-graphs", action="store_true", help="engine parts without CUDA graphs (eager steps)")
+    ap.add_argument("--client-processes", type=int, default=0,
+                    help="load-generator processes for the server part (default: one per 16 streams)")
     args = ap.parse_args(argv)
     args.shapes = [s for s in args.shapes.split(",") if s]
     args.parts = [p for p in args.parts.split(",") if p]

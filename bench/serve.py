@@ -242,6 +242,53 @@ def summarize(name: str, concurrency: int, target: int, max_tokens: int, results
             "requests_s": round(len(ok) / wall, 3) if wall > 0 else None}
 
 
+def _client_process(base_url: str, model: str, prompts: list[Any], concurrency: int, max_tokens: int,
+                    timeout: float, extra: dict[str, Any], barrier: Any) -> tuple[float, float, list[dict]]:
+    """One load-generator process: its share of the requests, started at the barrier; (start, end, results)."""
+
+    async def go() -> tuple[float, float, list[dict]]:
+        limits = httpx.Limits(max_connections=concurrency + 2)
+        async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as client:
+            bench = Bench(client, argparse.Namespace(extra_body=extra, timeout=timeout), model)
+            results: list[Result] = [Result() for _ in prompts]
+            indices = iter(range(len(prompts)))
+
+            async def worker() -> None:
+                for i in indices:
+                    results[i] = await bench.request(prompts[i], max_tokens)
+
+            barrier.wait()
+            start = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+            end = time.perf_counter()
+        return start, end, [r.__dict__ for r in results]
+
+    return asyncio.run(go())
+
+
+def scenario_in_processes(base_url: str, model: str, name: str, target: int, prompts: list[Any], concurrency: int,
+                          max_tokens: int, timeout: float, processes: int,
+                          extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`scenario` with the streams spread over `processes` client processes, so that parsing a few hundred
+    streams' events never limits what is measured (one Python process tops out near ten thousand events a
+    second). Wall time: first start to last end, on the shared monotonic clock."""
+    import multiprocessing as mp
+
+    processes = max(1, min(processes, concurrency))
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Manager().Barrier(processes)
+    shares = [prompts[i::processes] for i in range(processes)]
+    conc = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
+    print(f"[serve.py] {name}: concurrency {concurrency}, {len(prompts)} requests, {processes} client processes",
+          file=sys.stderr)
+    with ctx.Pool(processes) as pool:
+        outs = pool.starmap(_client_process, [(base_url, model, share, c, max_tokens, timeout, extra or {}, barrier)
+                                              for share, c in zip(shares, conc)])
+    results = [Result(**r) for _, _, rs in outs for r in rs]
+    wall = max(end for _, end, _ in outs) - min(start for start, _, _ in outs)
+    return summarize(name, concurrency, target, max_tokens, results, wall) | {"client_processes": processes}
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     cols = ["scenario", "concurrency", "requests", "errors", "mean_prompt_tokens", "output_tokens", "ttft_p50_ms",
             "ttft_p95_ms", "itl_p50_ms", "itl_p95_ms", "output_tok_s", "requests_s"]
