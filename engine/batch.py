@@ -15,7 +15,6 @@ kernels (or padded dense matmuls) for every row, and attention in float64 (layer
 capture (static buffers of the same fields) take it as it is.
 """
 # No `from __future__ import annotations`: TorchScript reads the NamedTuple's annotations as types.
-from dataclasses import dataclass
 from typing import List, NamedTuple, Optional
 
 import torch
@@ -28,9 +27,10 @@ from .block_manager import KVSequence
 DENSE_MIN_ROWS = 32
 
 
-@dataclass(frozen=True)
-class StepRow:
-    """Compute tokens [start, end) of `seq`; `logits`: "last" (next-token logits), "all" (every position), "none"."""
+class StepRow(NamedTuple):
+    """Compute tokens [start, end) of `seq`; `logits`: "last" (next-token logits), "all" (every position), "none".
+
+    A NamedTuple: a step makes one per sequence, and a frozen dataclass costs several times as much to build."""
 
     seq: KVSequence
     start: int

@@ -115,11 +115,13 @@ class BlockManager:
         """Make `seq` ready to write tokens [start, total_tokens) (start: its computed length by default): grow its
         block table, and move it to a private copy of each shared block the write lands in (copy-on-write; the
         pairs wait in `take_copies` for the cache to copy). All or nothing."""
+        bs, table = self.block_size, seq.block_table
+        first = (seq.num_computed if start is None else start) // bs
+        if total_tokens <= len(table) * bs and first == (total_tokens - 1) // bs and not self._shared(table[first]):
+            return  # the common decode step: one private block already holds the write
         need = self.blocks_needed(seq, total_tokens, start)
         if need > self.num_free:
             raise NoFreeBlocks(f"KV cache full: {need} blocks needed, {self.num_free} free of {self.num_blocks}")
-        bs, table = self.block_size, seq.block_table
-        first = (seq.num_computed if start is None else start) // bs
         for i in range(first, min(len(table), -(-total_tokens // bs))):
             block = table[i]
             if self._shared(block):

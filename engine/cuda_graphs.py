@@ -58,14 +58,15 @@ class StepStaging:
         n = len(rows)
         if n > self.rows:
             raise ValueError(f"{n} rows do not fit a bucket of {self.rows}")
-        for i, row in enumerate(rows):
-            seq, p = row.seq, row.start
-            blocks = -(-row.end // block_size)
-            self._ids[i] = seq.tokens[p]
-            self._pos[i] = p
-            self._slots[i] = seq.block_table[p // block_size] * block_size + p % block_size
-            self._lens[i] = row.end
-            self._tables[i, :blocks] = seq.block_table[:blocks]
+        # Whole columns at once: one numpy assignment each rather than a scalar store per row.
+        self._ids[:n] = [seq.tokens[p] for seq, p, _, _ in rows]
+        self._pos[:n] = [p for _, p, _, _ in rows]
+        self._slots[:n] = [seq.block_table[p // block_size] * block_size + p % block_size for seq, p, _, _ in rows]
+        self._lens[:n] = [end for _, _, end, _ in rows]
+        tables = self._tables
+        for i, (seq, _, end, _) in enumerate(rows):
+            blocks = -(-end // block_size)
+            tables[i, :blocks] = seq.block_table[:blocks]
         self._ids[n:] = 0
         self._pos[n:] = 0
         self._slots[n:] = self.trash_slot

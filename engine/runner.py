@@ -125,19 +125,20 @@ class Runner:
             except queue.Empty:
                 return
 
-    def row_error(self, row: StepRow) -> str | None:
-        """Why `row` cannot run (it does not continue its sequence, or outgrows the context), or None."""
-        if row.start != row.seq.num_computed or not row.start < row.end <= len(row.seq.tokens):
-            return (f"row [{row.start}, {row.end}) does not continue a sequence of {row.seq.num_computed} "
-                    f"computed of {len(row.seq.tokens)} tokens")
-        if row.end > self.context_size:
-            return f"sequence of {row.end} tokens exceeds the context size of {self.context_size} tokens"
+    def row_error(self, seq: KVSequence, start: int, end: int) -> str | None:
+        """Why computing tokens [start, end) of `seq` cannot run (not where the sequence continues, or past the
+        context), or None."""
+        if start != seq.num_computed or not start < end <= len(seq.tokens):
+            return (f"row [{start}, {end}) does not continue a sequence of {seq.num_computed} computed of "
+                    f"{len(seq.tokens)} tokens")
+        if end > self.context_size:
+            return f"sequence of {end} tokens exceeds the context size of {self.context_size} tokens"
         return None
 
     def row_errors(self, rows: Sequence[StepRow]) -> dict[int, str]:
         """`row_error` of every row that cannot run, by index."""
-        errors = {i: self.row_error(row) for i, row in enumerate(rows)}
-        return {i: e for i, e in errors.items() if e is not None}
+        return {i: error for i, (seq, start, end, _) in enumerate(rows)
+                if (error := self.row_error(seq, start, end)) is not None}
 
     @torch.inference_mode()
     def step(self, rows: list[StepRow]) -> torch.Tensor:

@@ -152,7 +152,7 @@ class Scheduler:
 
     def _refused(self, unit: Unit, take: int) -> bool:
         """Fail the unit's generation if the runner would refuse its next row (before blocks are spent on it)."""
-        error = self.runner.row_error(StepRow(unit.kv, unit.kv.num_computed, unit.kv.num_computed + take))
+        error = self.runner.row_error(unit.kv, unit.kv.num_computed, unit.kv.num_computed + take)
         if error is not None:
             log.warning("%s: %s", unit.gen.request_id, error)
             self.fail([unit.gen], 400, error, "context_length_exceeded" if "context" in error else None)

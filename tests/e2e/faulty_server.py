@@ -39,10 +39,10 @@ def _step(self: Runner, rows):
     return _real_step(self, rows)
 
 
-def _row_error(self: Runner, row):
-    if "FAULT_ROW" in _text(self, row.seq.tokens):
+def _row_error(self: Runner, seq, start: int, end: int):
+    if "FAULT_ROW" in _text(self, seq.tokens):
         return "planted: the runner refuses this row"
-    return _real_row_error(self, row)
+    return _real_row_error(self, seq, start, end)
 
 
 Runner.step, Runner.row_error = _step, _row_error
