@@ -1,0 +1,165 @@
+"""Random problems for engine/fused_kernels.py at the shapes of the models we serve, shared by
+tests/engine/test_fused_kernels.py (Triton's interpreter) and tests/gpu/test_fused_kernels_cuda.py (CUDA).
+
+A problem is the keyword arguments of one public call; the expected result is `engine.fused_kernels_torch` (the
+ops the decoder blocks run today) on a copy of it. Cache slots no token writes hold POISON, so a stray write shows.
+What must match bit for bit (see `check`): residual sums, cached values, and rope without q/k norms in 16-bit
+dtypes (every product there is exact in float32 and every rounding point is torch's); the rest within an ulp of
+the dtype, the difference a reduction order or a libm makes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine import fused_kernels_torch
+from engine.layers import rope_cos_sin
+
+POISON = 1000.0
+EPS = 1e-6
+# |kernel - torch| <= RTOL * |torch| + ATOL: one ulp of the dtype (2^-7 of a bfloat16 at most), and a floor for the
+# values near zero: where tanh-GELU saturates, torch's 1 + tanh(y) cancels to a few float32 ulps of 1.
+RTOL = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 2e-6}
+ATOL = {torch.bfloat16: 1e-4, torch.float16: 1e-5, torch.float32: 1e-5}
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    qk_norm: bool
+    gelu: bool
+
+
+MODELS = {
+    "llama-1b": Shape(2048, 32, 8, 64, 8192, qk_norm=False, gelu=False),
+    "qwen3-0.6b": Shape(1024, 16, 8, 128, 3072, qk_norm=True, gelu=False),
+    "gemma3-1b": Shape(1152, 4, 1, 256, 6912, qk_norm=True, gelu=True),
+    "smollm2": Shape(576, 9, 3, 64, 1536, qk_norm=False, gelu=False),
+}
+CALLS = ("rms_norm", "add_rms_norm", "norm_add_rms_norm", "rope_and_write_kv", "gated_activation")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One call: `variant` "" (the usual), "no-residual" (add_rms_norm of a first layer), "int32-slots",
+    "no-qk-norm" (rope of a qk-norm model without them), "batched" (norm input [2, rows, hidden])."""
+
+    call: str
+    model: str
+    rows: int
+    dtype: torch.dtype = torch.bfloat16
+    variant: str = ""
+    hidden: int | None = None  # overrides the model's (the widest norm)
+
+    @property
+    def name(self) -> str:
+        dt = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[self.dtype]
+        extra = f"-{self.variant}" if self.variant else ""
+        wide = f"-h{self.hidden}" if self.hidden else ""
+        return f"{self.call}-{self.model}{wide}-n{self.rows}-{dt}{extra}"
+
+    @property
+    def qk_norm(self) -> bool:
+        return MODELS[self.model].qk_norm and self.variant != "no-qk-norm"
+
+
+def model_cases(rows: tuple[int, ...], models: tuple[str, ...] = tuple(MODELS)) -> list[Case]:
+    """Each model's calls (the norm of its blocks, its rope, its activation) at each row count."""
+    out = []
+    for model in models:
+        gemma = MODELS[model].gelu
+        for n in rows:
+            out += [Case("norm_add_rms_norm" if gemma else "add_rms_norm", model, n),
+                    Case("rope_and_write_kv", model, n), Case("gated_activation", model, n)]
+    return out
+
+
+def _randn(gen: torch.Generator, *shape: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
+    return torch.randn(shape, generator=gen) * scale + shift
+
+
+def build(case: Case, device: str | torch.device = "cpu") -> dict[str, Any]:
+    """The keyword arguments of `case`'s call, the same for the same case on every device."""
+    gen = torch.Generator().manual_seed(sum(map(ord, case.name)))
+    s, n, dt = MODELS[case.model], case.rows, case.dtype
+    hidden = case.hidden or s.hidden
+    lead = (2, n) if case.variant == "batched" else (n,)
+    if case.call == "gated_activation":
+        args: dict[str, Any] = dict(gate_up=_randn(gen, n, 2 * s.ffn, scale=2.0), gelu=s.gelu)
+    elif case.call == "rope_and_write_kv":
+        # q, k and v as views of one projection output, on the device already (moving a view would copy it)
+        qkv = _randn(gen, n, s.heads + 2 * s.kv_heads, s.head_dim, scale=2.0).to(device, dt)
+        positions = torch.randint(0, 8192, (n,), generator=gen)
+        inv_freq = 1.0 / 500000.0 ** (torch.arange(0, s.head_dim, 2).float() / s.head_dim)
+        cos, sin = rope_cos_sin(inv_freq, positions, dt)
+        slots = 2 * n + 16
+        args = dict(qk=qkv[:, :s.heads + s.kv_heads], v=qkv[:, s.heads + s.kv_heads:], cos=cos, sin=sin,
+                    keys=torch.full((s.kv_heads, slots, s.head_dim), POISON),
+                    values=torch.full((s.kv_heads, slots, s.head_dim), -POISON),
+                    slots=torch.randperm(slots, generator=gen)[:n].to(
+                        torch.int32 if case.variant == "int32-slots" else torch.int64))
+        if case.qk_norm:  # gemma's 1 + w folded in, as the loader does
+            args.update(q_norm_weight=_randn(gen, s.head_dim, scale=0.3, shift=1.0),
+                        k_norm_weight=_randn(gen, s.head_dim, scale=0.3, shift=1.0), eps=EPS)
+    else:
+        args = dict(weight=_randn(gen, hidden, scale=0.3, shift=1.0), eps=EPS)
+        if case.call == "rms_norm":
+            args["x"] = _randn(gen, *lead, hidden)
+        elif case.call == "add_rms_norm":
+            args.update(x=_randn(gen, *lead, hidden),
+                        residual=None if case.variant == "no-residual" else _randn(gen, *lead, hidden, scale=4.0))
+        else:
+            args.update(branch=_randn(gen, *lead, hidden, scale=3.0), residual=_randn(gen, *lead, hidden, scale=4.0),
+                        branch_weight=_randn(gen, hidden, scale=0.3, shift=1.0))
+    return {k: (v.to(device, dt) if v.is_floating_point() else v.to(device)) if isinstance(v, torch.Tensor) else v
+            for k, v in args.items()}
+
+
+def copied(args: dict[str, Any]) -> dict[str, Any]:
+    """The arguments with every tensor copied (the rope call writes into its caches)."""
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+
+
+def expected(case: Case, args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """(output, arguments after the call) of the torch path on a copy of `args`."""
+    mine = copied(args)
+    return getattr(fused_kernels_torch, case.call)(**mine), mine
+
+
+def _close(name: str, got: torch.Tensor, want: torch.Tensor, exact: bool) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype, (
+        f"{name}: {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} {want.dtype}")
+    got, want = got.cpu(), want.cpu()
+    if exact:
+        bad = int((got != want).sum())
+        assert bad == 0, f"{name}: {bad} of {want.numel()} elements differ from torch's (bit-exact expected)"
+        return
+    g, w = got.double(), want.double()
+    assert torch.isfinite(g).all(), f"{name}: not finite"
+    slack = RTOL[want.dtype] * w.abs() + ATOL[want.dtype]
+    excess = float(((g - w).abs() - slack).max())
+    worst = float((g - w).abs().max())
+    assert excess <= 0, f"{name}: max abs difference {worst:.3g} is more than an ulp of {want.dtype}"
+
+
+def check(case: Case, args: dict[str, Any], result: Any, after: dict[str, Any]) -> None:
+    """The kernel's `result` (and the arguments `after` its call) against the torch path's."""
+    want, want_after = expected(case, args)
+    sixteen = case.dtype != torch.float32
+    if case.call == "rope_and_write_kv":
+        exact = sixteen and not case.qk_norm
+        _close("q", result, want, exact)
+        _close("keys", after["keys"], want_after["keys"], exact)
+        _close("values", after["values"], want_after["values"], True)
+    elif case.call in ("add_rms_norm", "norm_add_rms_norm"):
+        _close("normed", result[0], want[0], False)
+        # the plain sum is exact; gemma's adds a normed (rounded) branch, an ulp of which may differ
+        _close("residual", result[1], want[1], case.call == "add_rms_norm")
+    else:
+        _close("out", result, want, False)
