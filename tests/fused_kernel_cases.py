@@ -23,6 +23,7 @@ EPS = 1e-6
 # values near zero: where tanh-GELU saturates, torch's 1 + tanh(y) cancels to a few float32 ulps of 1.
 RTOL = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 2e-6}
 ATOL = {torch.bfloat16: 1e-4, torch.float16: 1e-5, torch.float32: 1e-5}
+MIN_SAME = 0.9
 
 
 @dataclass(frozen=True)
@@ -108,15 +109,18 @@ def build(case: Case, device: str | torch.device = "cpu") -> dict[str, Any]:
             args.update(q_norm_weight=_randn(gen, s.head_dim, scale=0.3, shift=1.0),
                         k_norm_weight=_randn(gen, s.head_dim, scale=0.3, shift=1.0), eps=EPS)
     else:
+        # rows of magnitudes 10^-3.5 .. 10: the small ones' mean square is near eps, so eps shows in the result
+        def rows() -> torch.Tensor:
+            magnitude = 10.0 ** (torch.rand((*lead, 1), generator=gen) * 4.5 - 3.5)
+            return _randn(gen, *lead, hidden) * magnitude
+
         args = dict(weight=_randn(gen, hidden, scale=0.3, shift=1.0), eps=EPS)
         if case.call == "rms_norm":
-            args["x"] = _randn(gen, *lead, hidden)
+            args["x"] = rows()
         elif case.call == "add_rms_norm":
-            args.update(x=_randn(gen, *lead, hidden),
-                        residual=None if case.variant == "no-residual" else _randn(gen, *lead, hidden, scale=4.0))
+            args.update(x=rows(), residual=None if case.variant == "no-residual" else rows())
         else:
-            args.update(branch=_randn(gen, *lead, hidden, scale=3.0), residual=_randn(gen, *lead, hidden, scale=4.0),
-                        branch_weight=_randn(gen, hidden, scale=0.3, shift=1.0))
+            args.update(branch=rows(), residual=rows(), branch_weight=_randn(gen, hidden, scale=0.3, shift=1.0))
     return {k: (v.to(device, dt) if v.is_floating_point() else v.to(device)) if isinstance(v, torch.Tensor) else v
             for k, v in args.items()}
 
@@ -146,6 +150,11 @@ def _close(name: str, got: torch.Tensor, want: torch.Tensor, exact: bool) -> Non
     excess = float(((g - w).abs() - slack).max())
     worst = float((g - w).abs().max())
     assert excess <= 0, f"{name}: max abs difference {worst:.3g} is more than an ulp of {want.dtype}"
+    if want.dtype != torch.float32:
+        # and most elements bit for bit: a reduction order or a libm flips a rounding here and there, while a
+        # rounding point other than torch's (an intermediate kept in float32) differs in a large share
+        same = float((got == want).float().mean())
+        assert same >= MIN_SAME, f"{name}: only {same:.1%} of the elements equal torch's"
 
 
 def check(case: Case, args: dict[str, Any], result: Any, after: dict[str, Any]) -> None:
