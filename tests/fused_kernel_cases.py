@@ -19,6 +19,7 @@ from engine.layers import rope_cos_sin
 
 POISON = 1000.0
 EPS = 1e-6
+FP16, FP32 = torch.float16, torch.float32
 # |kernel - torch| <= RTOL * |torch| + ATOL: one ulp of the dtype (2^-7 of a bfloat16 at most), and a floor for the
 # values near zero: where tanh-GELU saturates, torch's 1 + tanh(y) cancels to a few float32 ulps of 1.
 RTOL = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 2e-6}
@@ -79,6 +80,23 @@ def model_cases(rows: tuple[int, ...], models: tuple[str, ...] = tuple(MODELS)) 
             out += [Case("norm_add_rms_norm" if gemma else "add_rms_norm", model, n),
                     Case("rope_and_write_kv", model, n), Case("gated_activation", model, n)]
     return out
+
+
+# The calls' other forms: first layers, the widest norm, other dtypes, batched rows, int32 slots, no q/k norms.
+VARIANTS = [
+    Case("rms_norm", "llama-1b", 3),
+    Case("add_rms_norm", "llama-1b", 2, variant="no-residual"),
+    Case("add_rms_norm", "llama-1b", 2, hidden=8192),
+    Case("add_rms_norm", "qwen3-0.6b", 3, dtype=FP32),
+    Case("add_rms_norm", "smollm2", 3, dtype=FP16, variant="batched"),
+    Case("norm_add_rms_norm", "gemma3-1b", 2, variant="batched"),
+    Case("rope_and_write_kv", "qwen3-0.6b", 3, variant="int32-slots"),
+    Case("rope_and_write_kv", "gemma3-1b", 2, variant="no-qk-norm"),
+    Case("rope_and_write_kv", "llama-1b", 3, dtype=FP16),
+    Case("rope_and_write_kv", "qwen3-0.6b", 2, dtype=FP32),
+    Case("gated_activation", "gemma3-1b", 2, dtype=FP32),
+    Case("gated_activation", "llama-1b", 2, dtype=FP16),
+]
 
 
 def _randn(gen: torch.Generator, *shape: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:

@@ -19,28 +19,16 @@ import torch
 
 from engine import fused_kernels, fused_kernels_torch, layers
 from engine.kv_cache import write_slots
-from fused_kernel_cases import EPS, Case, build, check, copied, expected, model_cases
+from fused_kernel_cases import EPS, VARIANTS, Case, build, check, copied, expected, model_cases
 
 ROOT = Path(__file__).resolve().parents[2]
-FP16, FP32 = torch.float16, torch.float32
 
 # Every model's calls at 1, 3 and 8 rows; 128 rows at the smallest shapes (the interpreter runs programs one by
 # one: the GPU test takes every model at 128); then the variants.
 INTERPRETED = [
     *model_cases((1, 3, 8)),
     *model_cases((128,), models=("smollm2",)),
-    Case("rms_norm", "llama-1b", 3),
-    Case("add_rms_norm", "llama-1b", 2, variant="no-residual"),
-    Case("add_rms_norm", "llama-1b", 2, hidden=8192),
-    Case("add_rms_norm", "qwen3-0.6b", 3, dtype=FP32),
-    Case("add_rms_norm", "smollm2", 3, dtype=FP16, variant="batched"),
-    Case("norm_add_rms_norm", "gemma3-1b", 2, variant="batched"),
-    Case("rope_and_write_kv", "qwen3-0.6b", 3, variant="int32-slots"),
-    Case("rope_and_write_kv", "gemma3-1b", 2, variant="no-qk-norm"),
-    Case("rope_and_write_kv", "llama-1b", 3, dtype=FP16),
-    Case("rope_and_write_kv", "qwen3-0.6b", 2, dtype=FP32),
-    Case("gated_activation", "gemma3-1b", 2, dtype=FP32),
-    Case("gated_activation", "llama-1b", 2, dtype=FP16),
+    *VARIANTS,
 ]
 
 
