@@ -15,11 +15,12 @@ Each runs the Triton kernel of `engine.fused_kernels_triton` on CUDA tensors (an
 TRITON_INTERPRET=1, for the tests), and otherwise `engine.fused_kernels_torch`: today's ops exactly, which also
 serves TorchScript (the CPU decoder stack is scripted: `torch.jit.is_scripting()` compiles the kernel branch out).
 The kernels compute in float32 and round where the torch ops round, so results differ from the torch path only by
-reduction order (an ulp of the dtype here and there), and the residual sums and cached values match bit for bit.
+reduction order or libm (an ulp of the dtype here and there); residual sums, cached values and, in 16-bit dtypes,
+rope without q/k norms match bit for bit.
 
-Launch layout: one program per token row (norms, rope) or per (row, 1024 columns) (activation), each moving its
-data in 16-byte vectors; no host synchronisation and no allocation but the outputs, so all are capturable in CUDA
-graphs. Slots may be int32 or int64.
+Launch layout: one program per token row (norms, rope) or per (row, 1024 columns) (activation), its rows moved in
+vectors of up to 16 bytes. A row's result never depends on the other rows (batch-invariant). No host
+synchronisation and no allocation but the outputs: all are capturable in CUDA graphs. Slots may be int32 or int64.
 """
 # No `from __future__ import annotations`: TorchScript compiles the public calls as part of the decoder stack.
 import os
