@@ -20,8 +20,12 @@ from fused_kernel_cases import MODELS
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 
+FLOAT32_POINTERS = ("weight_ptr", "branch_weight_ptr", "q_norm_ptr", "k_norm_ptr")  # the loader keeps norms float32
+
+
 def _compile(kernel, constexprs: dict, warps: int, int_pointers: tuple[str, ...] = ()) -> tuple[str, int, int]:
-    """The kernel compiled for sm_90 with bf16 tensors: (its PTX, registers, stack bytes per thread)."""
+    """The kernel compiled for sm_90 with bf16 tensors and float32 norm weights: (its PTX, registers, stack bytes
+    per thread)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -31,7 +35,8 @@ def _compile(kernel, constexprs: dict, warps: int, int_pointers: tuple[str, ...]
         if name in constexprs:
             signature[name] = "constexpr"
         elif name.endswith("_ptr"):
-            signature[name] = "*i64" if name in int_pointers else "*bf16"
+            signature[name] = ("*i64" if name in int_pointers else "*fp32" if name in FLOAT32_POINTERS
+                               else "*bf16")
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name.startswith("stride_"):
             signature[name] = "i32"
