@@ -127,17 +127,19 @@ def norm_add_rms_norm(branch: Tensor, residual: Tensor, branch_weight: Tensor, w
                                                  doubled)
 
 
-def rope_config(heads: int, kv_heads: int, head_dim: int, qk_norm: bool) -> Tuple[dict, int]:
+def rope_config(heads: int, kv_heads: int, head_dim: int, qk_norm: bool, k_out: bool = False) -> Tuple[dict, int]:
     """The rope kernel's constexprs and warps."""
     qk_pad = _next_pow2(heads + kv_heads)
     return (dict(HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, QK_PAD=qk_pad, KV_PAD=_next_pow2(kv_heads),
-                 HALF_PAD=_next_pow2(head_dim // 2), D_PAD=_next_pow2(head_dim), QK_NORM=qk_norm),
+                 HALF_PAD=_next_pow2(head_dim // 2), D_PAD=_next_pow2(head_dim), QK_NORM=qk_norm,
+                 K_OUT=k_out),
             _warps(qk_pad * _next_pow2(head_dim), 8))
 
 
 @torch.jit.unused
 def _launch_rope(qk: Tensor, v: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, slots: Tensor,
-                 q_norm_weight: Optional[Tensor], k_norm_weight: Optional[Tensor], eps: float) -> Tensor:
+                 q_norm_weight: Optional[Tensor], k_norm_weight: Optional[Tensor], eps: float,
+                 k_out: Optional[Tensor]) -> Tensor:
     if qk.dim() != 3 or keys.dim() != 3 or keys.shape != values.shape:
         raise ValueError(f"qk must be [N, H + KVH, D] and keys/values [KVH, slots, D] alike, got {tuple(qk.shape)}, "
                          f"{tuple(keys.shape)} and {tuple(values.shape)}")
@@ -157,17 +159,20 @@ def _launch_rope(qk: Tensor, v: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, 
     for name, t in (("qk", qk), ("v", v), ("cos", cos), ("sin", sin), ("keys", keys), ("values", values)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous along head_dim")
+    if k_out is not None and (k_out.shape != (n, kvh, d) or k_out.dtype != qk.dtype or not k_out.is_contiguous()):
+        raise ValueError(f"k_out must be a contiguous {qk.dtype} [{n}, {kvh}, {d}], got {k_out.dtype} "
+                         f"{tuple(k_out.shape)}")
     qk_norm = q_norm_weight is not None
     if qk_norm and (q_norm_weight.numel() != d or k_norm_weight.numel() != d):
         raise ValueError(f"q/k norm weights must have head_dim = {d} elements")
     q_out = torch.empty((n, heads, d), dtype=qk.dtype, device=qk.device)
     if n == 0:
         return q_out
-    constexprs, warps = rope_config(heads, kvh, d, qk_norm)
+    constexprs, warps = rope_config(heads, kvh, d, qk_norm, k_out is not None)
     q_w = q_norm_weight.contiguous() if qk_norm else cos
     k_w = k_norm_weight.contiguous() if qk_norm else cos
     _kernels.rope_write_kv_kernel[(n,)](
-        qk, v, cos, sin, keys, values, slots.contiguous(), q_out, q_w, k_w,
+        qk, v, cos, sin, keys, values, slots.contiguous(), q_out, q_out if k_out is None else k_out, q_w, k_w,
         qk.stride(0), qk.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
         keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), eps, num_warps=warps, **constexprs)
     return q_out
@@ -176,18 +181,19 @@ def _launch_rope(qk: Tensor, v: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, 
 def rope_and_write_kv(qk: Tensor, v: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, slots: Tensor,
                       q_norm_weight: Optional[Tensor] = None, k_norm_weight: Optional[Tensor] = None,
                       eps: float = 1e-6, q_norm_doubled: Optional[Tensor] = None,
-                      k_norm_doubled: Optional[Tensor] = None) -> Tensor:
+                      k_norm_doubled: Optional[Tensor] = None, k_out: Optional[Tensor] = None) -> Tensor:
     """The q and k heads qk [N, H + KVH, D] (the qkv projection's view) rotated by the sign-folded cos / sin
     [N, 1, D] (layers.apply_rope), after a per-head RMS norm when q_norm_weight and k_norm_weight [D] are given
     (eps; the *_doubled tables for the bfloat16 CPU path); the rotated k and v [N, KVH, D] written to `slots` [N]
-    of keys / values [KVH, slots, D]; → rotated q [N, H, D]. One kernel."""
+    of keys / values [KVH, slots, D], and to `k_out` [N, KVH, D] if given (a fresh prefill attends over its own
+    keys, layers.attend); → rotated q [N, H, D]. One kernel."""
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("q_norm_weight and k_norm_weight go together")
     if not torch.jit.is_scripting():
         if _runs_triton(qk):
-            return _launch_rope(qk, v, cos, sin, keys, values, slots, q_norm_weight, k_norm_weight, eps)
+            return _launch_rope(qk, v, cos, sin, keys, values, slots, q_norm_weight, k_norm_weight, eps, k_out)
     return fused_kernels_torch.rope_and_write_kv(qk, v, cos, sin, keys, values, slots, q_norm_weight,
-                                                 k_norm_weight, eps, q_norm_doubled, k_norm_doubled)
+                                                 k_norm_weight, eps, q_norm_doubled, k_norm_doubled, k_out)
 
 
 def activation_config(features: int, gelu: bool, libdevice: bool = True) -> Tuple[dict, int]:

@@ -52,15 +52,18 @@ def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
 def rope_and_write_kv(qk: Tensor, v: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, slots: Tensor,
                       q_norm_weight: Optional[Tensor] = None, k_norm_weight: Optional[Tensor] = None,
                       eps: float = 1e-6, q_norm_doubled: Optional[Tensor] = None,
-                      k_norm_doubled: Optional[Tensor] = None) -> Tensor:
+                      k_norm_doubled: Optional[Tensor] = None, k_out: Optional[Tensor] = None) -> Tensor:
     """q and k heads qk [N, H + KVH, D] (RMS-normed per head first when both norm weights are given) rotated;
-    the k heads and v [N, KVH, D] stored at `slots` [N] of keys / values [KVH, slots, D]; → the q heads [N, H, D]."""
+    the k heads and v [N, KVH, D] stored at `slots` [N] of keys / values [KVH, slots, D] (and the k heads to
+    `k_out` if given); → the q heads [N, H, D]."""
     h = qk.shape[1] - keys.shape[0]
     if q_norm_weight is not None and k_norm_weight is not None:
         qk = torch.cat((rms_norm(qk[:, :h], q_norm_weight, eps, q_norm_doubled),
                         rms_norm(qk[:, h:], k_norm_weight, eps, k_norm_doubled)), dim=1)
     qk = apply_rope(qk, cos, sin)  # q and k heads rotated together
     write_slots(keys, values, slots.long(), qk[:, h:], v)
+    if k_out is not None:
+        k_out.copy_(qk[:, h:])
     return qk[:, :h]
 
 

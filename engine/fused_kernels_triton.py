@@ -45,16 +45,17 @@ def add_rms_norm_kernel(x_ptr, residual_ptr, branch_weight_ptr, weight_ptr, norm
 
 
 @triton.jit
-def rope_write_kv_kernel(qk_ptr, v_ptr, cos_ptr, sin_ptr, keys_ptr, values_ptr, slots_ptr, q_out_ptr,
+def rope_write_kv_kernel(qk_ptr, v_ptr, cos_ptr, sin_ptr, keys_ptr, values_ptr, slots_ptr, q_out_ptr, k_out_ptr,
                          q_norm_ptr, k_norm_ptr,
                          stride_qkn, stride_qkh, stride_vn, stride_vh, stride_cos, stride_sin,
                          stride_kh, stride_ks, stride_vch, stride_vcs, eps,
                          HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          QK_PAD: tl.constexpr, KV_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
-                         D_PAD: tl.constexpr, QK_NORM: tl.constexpr):
+                         D_PAD: tl.constexpr, QK_NORM: tl.constexpr, K_OUT: tl.constexpr):
     """Program (token): its HEADS + KV_HEADS q and k heads [QK_PAD, 2 x HALF_PAD] as two halves, optionally
     RMS-normed per head (QK_NORM), rotated; q heads to `q_out` [N, HEADS, HEAD_DIM], k heads and the token's v
-    heads to its cache slot of `keys` / `values` [KV_HEADS, slots, HEAD_DIM].
+    heads to its cache slot of `keys` / `values` [KV_HEADS, slots, HEAD_DIM]; with K_OUT the k heads also to
+    `k_out` [N, KV_HEADS, HEAD_DIM].
 
     x * cos + roll(x, D/2) * signed_sin: the first half's partner is the second half and vice versa."""
     n = tl.program_id(0).to(tl.int64)
@@ -96,6 +97,10 @@ def rope_write_kv_kernel(qk_ptr, v_ptr, cos_ptr, sin_ptr, keys_ptr, values_ptr, 
     k_ok = (h_ok & ~is_q)[:, None] & j_ok[None, :]
     tl.store(k_dst, out1.to(keys_ptr.dtype.element_ty), mask=k_ok)
     tl.store(k_dst + HALF, out2.to(keys_ptr.dtype.element_ty), mask=k_ok)
+    if K_OUT:
+        k_own = k_out_ptr + n * (KV_HEADS * HEAD_DIM) + kv_head[:, None] * HEAD_DIM + j[None, :]
+        tl.store(k_own, out1, mask=k_ok)
+        tl.store(k_own + HALF, out2, mask=k_ok)
 
     vh = tl.arange(0, KV_PAD)
     d = tl.arange(0, D_PAD)

@@ -50,7 +50,8 @@ CALLS = ("rms_norm", "add_rms_norm", "norm_add_rms_norm", "rope_and_write_kv", "
 @dataclass(frozen=True)
 class Case:
     """One call: `variant` "" (the usual), "no-residual" (add_rms_norm of a first layer), "int32-slots",
-    "no-qk-norm" (rope of a qk-norm model without them), "batched" (norm input [2, rows, hidden])."""
+    "no-qk-norm" (rope of a qk-norm model without them), "k-out" (rope also returning k), "batched" (norm input
+    [2, rows, hidden])."""
 
     call: str
     model: str
@@ -94,6 +95,8 @@ VARIANTS = [
     Case("rope_and_write_kv", "qwen3-0.6b", 3, variant="int32-slots"),
     Case("rope_and_write_kv", "gemma3-1b", 2, variant="no-qk-norm"),
     Case("rope_and_write_kv", "llama-1b", 3, dtype=FP16),
+    Case("rope_and_write_kv", "llama-1b", 3, variant="k-out"),
+    Case("rope_and_write_kv", "gemma3-1b", 2, variant="k-out"),
     Case("rope_and_write_kv", "qwen3-0.6b", 2, dtype=FP32),
     Case("gated_activation", "gemma3-1b", 2, dtype=FP32),
     Case("gated_activation", "llama-1b", 2, dtype=FP16),
@@ -124,6 +127,8 @@ def build(case: Case, device: str | torch.device = "cpu") -> dict[str, Any]:
                     values=torch.full((s.kv_heads, slots, s.head_dim), -POISON),
                     slots=torch.randperm(slots, generator=gen)[:n].to(
                         torch.int32 if case.variant == "int32-slots" else torch.int64))
+        if case.variant == "k-out":
+            args["k_out"] = torch.full((n, s.kv_heads, s.head_dim), POISON)
         if case.qk_norm:  # gemma's 1 + w folded in, as the loader does
             args.update(q_norm_weight=_randn(gen, s.head_dim, scale=0.3, shift=1.0),
                         k_norm_weight=_randn(gen, s.head_dim, scale=0.3, shift=1.0), eps=EPS)
@@ -191,6 +196,8 @@ def check(case: Case, args: dict[str, Any], result: Any, after: dict[str, Any]) 
         _close("q", result, want, exact, per_vector=case.qk_norm)
         _close("keys", after["keys"], want_after["keys"], exact, per_vector=case.qk_norm)
         _close("values", after["values"], want_after["values"], True)
+        if "k_out" in args:
+            _close("k_out", after["k_out"], want_after["k_out"], exact, per_vector=case.qk_norm)
     elif case.call in ("add_rms_norm", "norm_add_rms_norm"):
         _close("normed", result[0], want[0], False)
         # the plain sum is exact; gemma's adds a normed (rounded) branch, an ulp of which may differ

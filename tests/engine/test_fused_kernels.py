@@ -40,6 +40,7 @@ def _bad_calls() -> list[tuple[str, str, dict]]:
         ("v-heads", "rope_and_write_kv", {**rope, "v": rope["v"][:, :4]}),
         ("float-slots", "rope_and_write_kv", {**rope, "slots": rope["slots"].float()}),
         ("cos-shape", "rope_and_write_kv", {**rope, "cos": rope["cos"][:1]}),
+        ("k-out-shape", "rope_and_write_kv", {**rope, "k_out": torch.zeros(2, 8, 32, dtype=torch.bfloat16)}),
         ("cache-dtype", "rope_and_write_kv", {**rope, "keys": rope["keys"].float(), "values": rope["values"].float()}),
         ("q-norm-alone", "rope_and_write_kv", {**rope, "q_norm_weight": torch.ones(64)}),
         ("residual-shape", "add_rms_norm", {**norm, "residual": norm["residual"][:1]}),

@@ -75,13 +75,13 @@ def test_norm_kernel_fits_sm90(hidden, residual, sandwich, tmp_path, monkeypatch
     assert "ld.global.v4.b32" in ptx, "rows are not loaded in 16-byte vectors"
 
 
-@pytest.mark.parametrize("model", list(MODELS))
-def test_rope_kernel_fits_sm90(model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("model,k_out", [(model, False) for model in MODELS] + [("gemma3-1b", True)])
+def test_rope_kernel_fits_sm90(model, k_out, tmp_path, monkeypatch):
     from engine import fused_kernels_triton as kernels
 
     monkeypatch.chdir(tmp_path)
     s = MODELS[model]
-    constexprs, warps = fused_kernels.rope_config(s.heads, s.kv_heads, s.head_dim, s.qk_norm)
+    constexprs, warps = fused_kernels.rope_config(s.heads, s.kv_heads, s.head_dim, s.qk_norm, k_out)
     ptx, regs, stack = _compile(kernels.rope_write_kv_kernel, constexprs, warps, int_pointers=("slots_ptr",))
     assert stack == 0, f"{regs} registers and {stack} bytes of stack a thread: spilling"
 
