@@ -81,7 +81,7 @@ class StepStaging:
         ids, positions, slots, lens = (d[i * r:(i + 1) * r] for i in range(_COLUMNS))
         tables = d[_COLUMNS * r:].view(r, self.width)
         return ForwardBatch(
-            ids, positions, slots.long(), torch.arange(r, device=d.device), block_size, r, False, r, 0, 0, None, None,
+            ids, positions, slots, torch.arange(r, device=d.device), block_size, r, False, r, 0, 0, None, None,
             None, tables, lens, [], [], [], [], [], None, None, 0)
 
 

@@ -47,8 +47,13 @@ def triton_available() -> bool:
     return _kernels is not None
 
 
+# EMBERSERVE_FUSED_KERNELS=0 keeps every call on the torch path (to measure what the kernels bring).
+_ENABLED = os.environ.get("EMBERSERVE_FUSED_KERNELS", "1") != "0"
+
+
 def _runs_triton(t: Tensor) -> bool:
-    return _kernels is not None and (t.is_cuda or (t.is_cpu and os.environ.get("TRITON_INTERPRET", "0") == "1"))
+    return _kernels is not None and _ENABLED and (
+        t.is_cuda or (t.is_cpu and os.environ.get("TRITON_INTERPRET", "0") == "1"))
 
 
 def _next_pow2(n: int) -> int:
@@ -72,7 +77,7 @@ def norm_config(hidden: int, has_residual: bool, norm_branch: bool) -> Tuple[dic
     return dict(HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=has_residual, NORM_BRANCH=norm_branch), _warps(block, 16)
 
 
-@torch.jit.unused
+@torch.jit.ignore
 def _launch_norm(x: Tensor, residual: Optional[Tensor], branch_weight: Optional[Tensor], weight: Tensor,
                  eps: float) -> Tuple[Tensor, Tensor]:
     hidden = x.shape[-1]
@@ -136,7 +141,7 @@ def rope_config(heads: int, kv_heads: int, head_dim: int, qk_norm: bool, k_out: 
             _warps(qk_pad * _next_pow2(head_dim), 8))
 
 
-@torch.jit.unused
+@torch.jit.ignore
 def _launch_rope(qk: Tensor, v: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, slots: Tensor,
                  q_norm_weight: Optional[Tensor], k_norm_weight: Optional[Tensor], eps: float,
                  k_out: Optional[Tensor]) -> Tensor:
@@ -202,7 +207,7 @@ def activation_config(features: int, gelu: bool, libdevice: bool = True) -> Tupl
     return dict(FEATURES=features, BLOCK=block, GELU=gelu, LIBDEVICE=libdevice), _warps(block, 4)
 
 
-@torch.jit.unused
+@torch.jit.ignore
 def _launch_activation(gate_up: Tensor, gelu: bool) -> Tensor:
     if gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up's last dimension ({gate_up.shape[-1]}) must be [gate | up], even")

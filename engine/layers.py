@@ -7,7 +7,7 @@ needs of the step comes in its `ForwardBatch`.
 """
 # No `from __future__ import annotations`: TorchScript reads the annotations of what it compiles as types.
 import math
-from typing import List, NamedTuple, Optional
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +15,8 @@ from torch import Tensor, nn
 
 from .batch import ForwardBatch
 from .config import ModelConfig, RopeConfig
-from .kv_cache import gather_blocks, window_span, write_slots
+from .fused_kernels import gated_activation, rms_norm, rope_and_write_kv
+from .kv_cache import gather_blocks, window_span
 
 # Dense matmuls see row counts rounded up to a multiple of this: with every prompt length its own shape, the
 # allocator's and oneDNN's per-shape state kept growing (RSS +5% over 3000 requests, bench/rss_soak.py); with
@@ -23,20 +24,6 @@ from .kv_cache import gather_blocks, window_span, write_slots
 # independent of how many rows share the call (a single-row call would take a different kernel), which
 # deterministic steps rely on.
 DENSE_ROW_BUCKET = 16
-
-
-def rms_norm(x: Tensor, weight: Tensor, doubled: Tensor, eps: float) -> Tensor:
-    """RMS norm of x [..., d] times `weight`, computed in float32; `doubled` is [weight, 0] in float32 (bf16 CPU path).
-
-    bfloat16 on CPU: the RMS norm of x is the layer norm of [x, -x] (mean 0, variance mean(x^2)), and torch's fused
-    CPU layer_norm (float32 inside, mixed-type weight) takes half the time of its rms_norm with the float32 round
-    trip: the norms of a decode step went from 15 to 7 us each.
-    """
-    d = x.shape[-1]
-    if x.dtype == torch.float32 or not x.is_cpu:
-        return torch.rms_norm(x.float(), [d], weight.float(), eps).to(x.dtype)
-    y = F.layer_norm(torch.cat((x, x.neg()), dim=-1), [2 * d], doubled, None, eps)
-    return y[..., :d].contiguous()
 
 
 def doubled_norm_weight(weight: Tensor) -> Tensor:
@@ -58,7 +45,7 @@ class RMSNorm(nn.Module):
         self.doubled = doubled_norm_weight(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.doubled, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.doubled)
 
 
 def dense_matmul(x: Tensor, w: Tensor, bias: Optional[Tensor] = None, bucket: int = DENSE_ROW_BUCKET) -> Tensor:
@@ -117,11 +104,6 @@ class RopeTables(NamedTuple):
     sin: Tensor
     local_cos: Tensor
     local_sin: Tensor
-
-
-def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
-    """Rotate x [N, H, D] by cos / signed sin [N, 1, D]: x * cos + rotate_half(x) * sin in three ops."""
-    return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), signed_sin)
 
 
 def decode_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Optional[Tensor], num_kv_heads: int,
@@ -214,9 +196,10 @@ def attend_decode(q: Tensor, keys: Tensor, values: Tensor, batch: ForwardBatch, 
     return decode_attention(q, k_all, v_all, mask, num_kv_heads, scale)
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, batch: ForwardBatch, window: int,
-           scale: float, num_kv_heads: int) -> Tensor:
-    """Attention of every new token q [N, H, D] (its own k, v [N, kv_heads, D] already in the cache) → [N, H, D]."""
+def attend(q: Tensor, k: Optional[Tensor], v: Tensor, keys: Tensor, values: Tensor, batch: ForwardBatch,
+           window: int, scale: float, num_kv_heads: int) -> Tensor:
+    """Attention of every new token q [N, H, D] (its own k, v [N, kv_heads, D] already in the cache; k needed only
+    when the batch has a fresh prefill row, which attends over its own keys) → [N, H, D]."""
     n, bd = q.shape[0], batch.decode_rows
     if bd == n:  # a pure decode step, the common case
         return attend_decode(q, keys, values, batch, window, scale, num_kv_heads)
@@ -229,6 +212,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, batch:
         key_blocks = batch.prefill_key_blocks[i]
         mask = batch.prefill_sliding_masks[i] if window > 0 else batch.prefill_full_masks[i]
         if key_blocks is None:
+            assert k is not None
             row_keys, row_values = k[begin:end].transpose(0, 1), v[begin:end].transpose(0, 1)
         else:
             row_keys = gather_blocks(keys, key_blocks, batch.block_size)
@@ -248,13 +232,6 @@ def attend(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, batch:
         out = _paged_prefill(q, keys, values, tables, paged, batch.block_size, scale, window,
                              batch.prefill_max_query, out)
     return out
-
-
-def gated_activation(gate_up: Tensor, gelu: bool) -> Tensor:
-    """act(gate) * up of the concatenated [gate, up] projection: SwiGLU, or GeGLU with tanh GELU."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    gate = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
-    return gate * up
 
 
 class Attention(nn.Module):
@@ -282,12 +259,10 @@ class Attention(nn.Module):
         qk, v = qkv[:, :h + kvh], qkv[:, h + kvh:]
         if self.qk_norm:
             qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
-        if self.local_rope:
-            qk = apply_rope(qk, rope.local_cos, rope.local_sin)  # q and k heads rotated together
-        else:
-            qk = apply_rope(qk, rope.cos, rope.sin)
-        q, k = qk[:, :h], qk[:, h:]
-        write_slots(keys, values, batch.slots, k, v)
+        cos, sin = (rope.local_cos, rope.local_sin) if self.local_rope else (rope.cos, rope.sin)
+        # The rotated k only for rows that attend over their own keys (fresh prefills); the cache has them all.
+        k = torch.empty((n, kvh, self.head_dim), dtype=x.dtype, device=x.device) if batch.prefill_begins else None
+        q = rope_and_write_kv(qk, v, cos, sin, keys, values, batch.slots, k_out=k)
         out = attend(q, k, v, keys, values, batch, self.window, self.scale, kvh)
         return self.o_proj(out.reshape(n, -1), batch.packed_rows, batch.deterministic)
 
@@ -308,17 +283,21 @@ class GatedMLP(nn.Module):
 
 
 class DecoderStack(nn.Module):
-    """Every layer of a step: x [N, hidden] of the flat batch in, the last layer's output out. Not a submodule of
-    the model (it holds the model's own layers), so the same layers run eagerly or scripted (engine/models/base.py)."""
+    """Every layer of a step: x [N, hidden] of the flat batch in; the last layer's branch and residual stream out
+    (a block takes the previous block's branch and the residual, so that the add and the next norm are one kernel,
+    engine/fused_kernels.py). Not a submodule of the model (it holds the model's own layers), so the same layers
+    run eagerly or scripted (engine/models/base.py)."""
 
     def __init__(self, layers: nn.ModuleList) -> None:
         super().__init__()
         self.layers = layers
 
     def forward(self, x: Tensor, batch: ForwardBatch, rope: RopeTables, keys: List[Tensor],
-                values: List[Tensor]) -> Tensor:
+                values: List[Tensor]) -> Tuple[Tensor, Tensor]:
+        residual: Optional[Tensor] = None
         i = 0
         for layer in self.layers:
-            x = layer(x, batch, rope, keys[i], values[i])
+            x, residual = layer(x, residual, batch, rope, keys[i], values[i])
             i += 1
-        return x
+        assert residual is not None
+        return x, residual

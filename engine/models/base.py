@@ -19,6 +19,7 @@ from torch import nn
 from ..batch import ForwardBatch
 from ..config import ModelConfig
 from ..kv_cache import PagedKVCache
+from ..fused_kernels import add_rms_norm
 from ..layers import DecoderStack, Linear, RMSNorm, RopeTables, rope_cos_sin, rope_inv_freq
 
 log = logging.getLogger("emberserve.engine")
@@ -73,8 +74,10 @@ class DecoderModel(nn.Module):
         with torch.jit.optimized_execution(False):
             # (paged batches call the Triton kernels, which only the eager stack can: GPU steps, or tests)
             scriptable = x.is_cpu and batch.block_tables is None and batch.paged_prefill is None
-            x = self.stack(scriptable)(x, batch, rope, cache.keys, cache.values)
-        x = self.norm(x.index_select(0, batch.logit_index))
+            branch, residual = self.stack(scriptable)(x, batch, rope, cache.keys, cache.values)
+        rows = batch.logit_index  # the last block's add, and the final norm, for the rows whose logits are returned
+        x, _ = add_rms_norm(branch.index_select(0, rows), residual.index_select(0, rows), self.norm.weight,
+                            self.norm.eps, self.norm.doubled)
         logits = self.lm_head(x, x.shape[0], batch.deterministic).float()
         if self.cfg.final_logit_softcap:
             cap = self.cfg.final_logit_softcap
@@ -91,7 +94,7 @@ def _script(stack: DecoderStack) -> torch.jit.ScriptModule | None:
             # guards cost what it saves; compiled per step, it takes ~47 s and recompiles as the context grows.
             warnings.simplefilter("ignore", DeprecationWarning)
             scripted = torch.jit.script(stack)
-    except (TypeError, ValueError, AssertionError, RuntimeError) as e:
+    except Exception as e:  # noqa: BLE001 - any TorchScript failure leaves the eager stack, which is the same maths
         log.warning("the decoder stack stays eager: %s", e)
         return None
     log.debug("scripted the decoder stack in %.2f s", time.perf_counter() - started)
