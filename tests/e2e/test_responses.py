@@ -128,13 +128,13 @@ def test_the_clients_stream_helper_and_retrieve(client: openai.OpenAI) -> None:
 
 
 def test_previous_response_id_chains_turns_from_the_prefix_cache(client: openai.OpenAI) -> None:
-    first = client.responses.create(model=MODEL, input=QUESTION, instructions="Be brief.", max_output_tokens=16,
+    first = client.responses.create(model=MODEL, input=QUESTION, instructions="Be brief.", max_output_tokens=8,
                                     temperature=0)
     second = client.responses.create(model=MODEL, input="And 3+3?", instructions="Be brief.",
-                                     previous_response_id=first.id, max_output_tokens=16, temperature=0)
+                                     previous_response_id=first.id, max_output_tokens=8, temperature=0)
     chat = chat_text(client, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION},
                               {"role": "assistant", "content": first.output_text},
-                              {"role": "user", "content": "And 3+3?"}], 16)
+                              {"role": "user", "content": "And 3+3?"}], 8)
     assert second.output_text == chat.choices[0].message.content
     assert second.usage.input_tokens == chat.usage.prompt_tokens
     assert second.previous_response_id == first.id
@@ -143,10 +143,10 @@ def test_previous_response_id_chains_turns_from_the_prefix_cache(client: openai.
 
     # Instructions are not carried over to the next turn (as OpenAI does): without them it is the plain chat.
     third = client.responses.create(model=MODEL, input="And 3+3?", previous_response_id=first.id,
-                                    max_output_tokens=16, temperature=0, store=False)
+                                    max_output_tokens=8, temperature=0, store=False)
     chat = chat_text(client, [{"role": "user", "content": QUESTION},
                               {"role": "assistant", "content": first.output_text},
-                              {"role": "user", "content": "And 3+3?"}], 16)
+                              {"role": "user", "content": "And 3+3?"}], 8)
     assert third.output_text == chat.choices[0].message.content
 
     with pytest.raises(openai.NotFoundError) as missing:
