@@ -53,14 +53,19 @@ class ChatOutcome:
         return ""
 
 
+def renamed_param(param: str | None, names: dict[str, str]) -> str | None:
+    """A chat field (or a path into it) as the endpoint names it (`names`: chat field -> endpoint field)."""
+    if param is None:
+        return None
+    head, dot, rest = param.partition(".")
+    return names.get(head, head) + dot + rest
+
+
 def renamed(error: APIError, names: dict[str, str]) -> APIError:
-    """`error` with its param named as the endpoint names the field (`names`: chat field -> endpoint field)."""
-    if error.param is None:
+    """`error` with its param named as the endpoint names the field."""
+    param = renamed_param(error.param, names)
+    if param == error.param:
         return error
-    head, _, rest = error.param.partition(".")
-    if head not in names:
-        return error
-    param = names[head] + (f".{rest}" if rest else "")
     return APIError(error.status, error.message, param=param, code=error.code, type=error.type,
                     headers=error.headers)
 
@@ -84,12 +89,9 @@ class ChatMappedServing(OpenAIServing):
             return ChatCompletionRequest.model_validate(fields)
         except ValidationError as e:
             err = e.errors()[0]
-            loc = [str(p) for p in err.get("loc", ())]
-            error = invalid(str(err.get("msg", "invalid value")).removeprefix("Value error, "),
-                            param=".".join(loc) or None)
-            error = renamed(error, self.field_names)
-            raise invalid(f"{error.param}: {error.message}" if error.param else error.message,
-                          param=error.param) from None
+            param = renamed_param(".".join(str(p) for p in err.get("loc", ())) or None, self.field_names)
+            message = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+            raise invalid(f"{param}: {message}" if param else message, param=param) from None
 
     async def prompt_ids(self, chat: ChatCompletionRequest) -> list[int]:
         """The chat's prompt ids (the chat template, off the event loop)."""
