@@ -157,7 +157,8 @@ def test_previous_response_id_chains_turns_from_the_prefix_cache(client: openai.
 
 def test_input_items_delete_and_store_false(client: openai.OpenAI) -> None:
     items = [{"role": "user", "content": "One."}, {"role": "assistant", "content": "Two."},
-             {"role": "user", "content": [{"type": "input_text", "text": "Three"}, {"type": "input_text", "text": "."}]}]
+             {"role": "user", "content": [{"type": "input_text", "text": "Three"},
+                                          {"type": "input_text", "text": "."}]}]
     r = client.responses.create(model=MODEL, input=items, max_output_tokens=2, temperature=0)
     newest_first = list(client.responses.input_items.list(r.id))
     assert [(i.role, [p.text for p in i.content]) for i in newest_first] == [
