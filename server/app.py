@@ -26,11 +26,14 @@ from .metrics import ServerMetrics
 from .openapi import install_openapi
 from .progress import LoadProgress
 from .request_context import REQUEST_ID_HEADER, RequestContext
+from .response_store import ResponseStore
 from .routes import router
 from .security import ApiKeyAuth, BodySizeLimit
 from .serving import ModelState
 from .serving_chat import ChatServing
 from .serving_completions import CompletionServing
+from .serving_messages import MessagesServing
+from .serving_responses import ResponsesServing
 from .settings import Settings, device_default
 from .worker import Worker, WorkerPool
 
@@ -134,6 +137,9 @@ async def _load_in_background(app: FastAPI, settings: Settings) -> None:
     app.state.model = state
     app.state.chat = ChatServing(state, app.state.metrics)
     app.state.completions = CompletionServing(state, app.state.metrics)
+    app.state.responses = ResponsesServing(state, app.state.metrics,
+                                           ResponseStore(settings.responses_store_size, settings.responses_store_ttl))
+    app.state.messages = MessagesServing(state, app.state.metrics)
     log.info("serving %s at http://%s:%d/v1%s", state.model_id, settings.host, settings.port,
              " (API key required)" if settings.api_key else "")
 
@@ -192,6 +198,7 @@ def _add_middleware(app: FastAPI, settings: Settings) -> None:
         app.add_middleware(ApiKeyAuth, api_key=settings.api_key.get_secret_value())
     app.add_middleware(RequestContext)
     if settings.allowed_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+        app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["GET", "POST", "DELETE"],
+                           allow_headers=["Authorization", "Content-Type", "X-Request-Id", "X-Api-Key",
+                                          "Anthropic-Version"],
                            expose_headers=[REQUEST_ID_HEADER], allow_credentials="*" not in settings.allowed_origins)

@@ -1,4 +1,8 @@
-"""OpenAI-style errors: one exception type and the handlers that turn every failure into the error envelope."""
+"""Errors: one exception type and the handlers that turn every failure into the error envelope.
+
+The envelope is OpenAI's everywhere but under /v1/messages, which answers Anthropic's: the clients of each API
+parse only their own.
+"""
 from __future__ import annotations
 
 import logging
@@ -11,12 +15,23 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .protocol import ErrorDetail, ErrorResponse
+from .protocol_anthropic import AnthropicError, AnthropicErrorResponse
 
 log = logging.getLogger("emberserve")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
           429: "rate_limit_error", 503: "service_unavailable"}
+# Anthropic's error types by status (its own 529 "overloaded_error" is what our 503 means: retry shortly).
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                    429: "rate_limit_error", 503: "overloaded_error"}
+ANTHROPIC_PATH = "/v1/messages"
+
+
+def speaks_anthropic(path: str) -> bool:
+    """Whether errors on `path` answer Anthropic's envelope (the Messages API and everything under it)."""
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
 
 
 class APIError(Exception):
@@ -35,8 +50,15 @@ class APIError(Exception):
         detail = ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code)
         return ErrorResponse(error=detail).model_dump()
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict[str, Any]:
+        """Anthropic's envelope: `{"type": "error", "error": {"type", "message"}}`."""
+        kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return AnthropicErrorResponse(error=AnthropicError(type=kind, message=self.message)).model_dump()
+
+    def response(self, path: str = "") -> JSONResponse:
+        """The error's JSON response, in the envelope of the API that `path` belongs to."""
+        body = self.anthropic_body() if speaks_anthropic(path) else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -95,10 +117,10 @@ def count(app: FastAPI, error: APIError) -> None:
         app.state.metrics.fail(error.type)
 
 
-def answer(app: FastAPI, error: APIError) -> JSONResponse:
-    """The error's response, counted in the app's metrics."""
+def answer(app: FastAPI, error: APIError, path: str = "") -> JSONResponse:
+    """The error's response to a request for `path`, counted in the app's metrics."""
     count(app, error)
-    return error.response()
+    return error.response(path)
 
 
 def internal_error() -> APIError:
@@ -107,17 +129,17 @@ def internal_error() -> APIError:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Every error path answers the OpenAI envelope; tracebacks go to the log, never to the client."""
+    """Every error path answers the envelope of its API; tracebacks go to the log, never to the client."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return answer(request.app, exc)
+        return answer(request.app, exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         message = "; ".join(_validation_message(e) for e in errors[:5]) or "invalid request"
-        return answer(request.app, invalid(message, param=_error_param(errors)))
+        return answer(request.app, invalid(message, param=_error_param(errors)), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -126,9 +148,10 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"{request.method} {request.url.path}: {what}"
         else:
             message = _unparsable_body(exc) if exc.status_code == 400 else str(exc.detail)
-        return answer(request.app, APIError(exc.status_code, message, headers=getattr(exc, "headers", None)))
+        return answer(request.app, APIError(exc.status_code, message, headers=getattr(exc, "headers", None)),
+                      request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return answer(request.app, internal_error())
+        return answer(request.app, internal_error(), request.url.path)

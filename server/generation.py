@@ -27,6 +27,7 @@ class ChoiceDelta:
     tokens: list[int]
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # with finish "stop": the stop string or end-token id that ended it
     at: float = field(default_factory=time.perf_counter)  # when the worker made these tokens (latency metrics)
 
 

@@ -69,7 +69,7 @@ def request_id_from(headers: Headers) -> str:
 
 async def send_error(scope: Scope, receive: Receive, send: Send, error: APIError) -> None:
     """Answer `error` from a middleware, counted like the app's own error responses."""
-    await answer(scope["app"], error)(scope, receive, send)
+    await answer(scope["app"], error, scope["path"])(scope, receive, send)
 
 
 class RequestContext:

@@ -1,20 +1,24 @@
 """Thin endpoint functions: parse, hand to the serving objects, return."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from .errors import APIError, invalid
-from .openapi import PROMETHEUS_TEXT, RETRY_AFTER, errors
+from .openapi import PROMETHEUS_TEXT, RETRY_AFTER, anthropic_errors, errors
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                        DetokenizeRequest, DetokenizeResponse, Health, HealthUnavailable, Liveness, ModelCard,
                        ModelList, TokenizeRequest, TokenizeResponse)
+from .protocol_anthropic import CountTokensRequest, MessageResponse, MessagesRequest, TokenCount
+from .protocol_responses import InputItemList, ResponseDeleted, ResponseObject, ResponsesRequest
 from .serving import ModelState, check_model, check_token_ids
 from .serving_chat import ChatServing, chat_prompt_ids
 from .serving_completions import CompletionServing
+from .serving_messages import MessagesServing
+from .serving_responses import ResponsesServing
 
 router = APIRouter()
 LOADING_RETRY_AFTER_S = "5"
@@ -108,6 +112,58 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     _state(request)
     serving: CompletionServing = request.app.state.completions
     return await serving.create(body, request)
+
+
+@router.post("/v1/responses", response_model=None,
+             responses={200: {"model": ResponseObject}, **_GENERATION_ERRORS})
+async def create_response(body: ResponsesRequest, request: Request) -> Any:
+    _state(request)
+    serving: ResponsesServing = request.app.state.responses
+    return await serving.create(body, request)
+
+
+_STORED_ERRORS = errors(404, 503)
+
+
+@router.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=_STORED_ERRORS,
+            summary="a stored response (one made with store: true, until the store drops it)")
+async def retrieve_response(response_id: str, request: Request) -> ResponseObject:
+    _state(request)
+    serving: ResponsesServing = request.app.state.responses
+    return serving.retrieve(response_id)
+
+
+@router.delete("/v1/responses/{response_id}", response_model=ResponseDeleted, responses=_STORED_ERRORS)
+async def delete_response(response_id: str, request: Request) -> ResponseDeleted:
+    _state(request)
+    serving: ResponsesServing = request.app.state.responses
+    return serving.delete(response_id)
+
+
+@router.get("/v1/responses/{response_id}/input_items", response_model=InputItemList,
+            responses=errors(400, 404, 503), summary="the input items of a stored response")
+async def response_input_items(response_id: str, request: Request, limit: int = Query(20, ge=1, le=100),
+                               order: Literal["asc", "desc"] = "desc", after: str | None = None) -> InputItemList:
+    _state(request)
+    serving: ResponsesServing = request.app.state.responses
+    return serving.input_items(response_id, limit, order, after)
+
+
+@router.post("/v1/messages", response_model=None,
+             responses={200: {"model": MessageResponse}, **anthropic_errors(400, 404, 413, 429, 503)},
+             summary="Anthropic's Messages API (errors in Anthropic's envelope)")
+async def messages(body: MessagesRequest, request: Request) -> Any:
+    _state(request)
+    serving: MessagesServing = request.app.state.messages
+    return await serving.create(body, request)
+
+
+@router.post("/v1/messages/count_tokens", response_model=TokenCount,
+             responses=anthropic_errors(400, 404, 413, 503))
+async def count_message_tokens(body: CountTokensRequest, request: Request) -> TokenCount:
+    _state(request)
+    serving: MessagesServing = request.app.state.messages
+    return await serving.count_tokens(body)
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=_UTILITY_ERRORS)

@@ -355,7 +355,8 @@ class Scheduler:
         self.generated_tokens += 1
         update = unit.stopper.push(token)
         logprobs = [TokenLogprob(token, logprob, top or [])] if gen.params.logprobs else None
-        self.events.emit(gen, ChoiceDelta(unit.choice, update.text, [token], logprobs, update.finish_reason))
+        self.events.emit(gen, ChoiceDelta(unit.choice, update.text, [token], logprobs, update.finish_reason,
+                                           update.stop_reason))
         if update.finish_reason is None:
             unit.kv.tokens.append(token)
             return

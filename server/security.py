@@ -1,4 +1,5 @@
-"""Request guards: the API key (constant-time Bearer check) and the request body size limit."""
+"""Request guards: the API key (a constant-time check of the Bearer or x-api-key header) and the request body size
+limit."""
 from __future__ import annotations
 
 import hmac
@@ -11,23 +12,31 @@ from .request_context import OPEN_PATHS, send_error
 
 
 class ApiKeyAuth:
-    """Every route but the probes and /metrics needs `Authorization: Bearer <key>`; 401 in OpenAI's envelope."""
+    """Every route but the probes and /metrics needs the key, as `Authorization: Bearer <key>` (OpenAI's clients)
+    or `x-api-key: <key>` (Anthropic's); 401 in the envelope of the route's API."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app, self.key = app, api_key.encode()
 
+    def _refusal(self, headers: Headers) -> str | None:
+        """Why the request is refused, or None when one of the keys it gives is right."""
+        given = headers.getlist("x-api-key")
+        authorization = headers.get("authorization")
+        if authorization is not None:
+            scheme, _, token = authorization.partition(" ")
+            if scheme.lower() == "bearer":
+                given.append(token)
+        if not given:
+            return ("You didn't provide an API key. You need to provide your API key in an Authorization header "
+                    "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY), or in an x-api-key header.")
+        # compare_digest: the time taken does not tell how much of a guessed key was right.
+        if any(hmac.compare_digest(key.strip().encode(), self.key) for key in given):
+            return None
+        return "Incorrect API key provided."
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
-            header = Headers(scope=scope).get("authorization")
-            scheme, _, token = (header or "").partition(" ")
-            if header is None or scheme.lower() != "bearer":
-                message = ("You didn't provide an API key. You need to provide your API key in an Authorization "
-                           "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
-            # compare_digest: the time taken does not tell how much of a guessed key was right.
-            elif not hmac.compare_digest(token.strip().encode(), self.key):
-                message = "Incorrect API key provided."
-            else:
-                message = None
+            message = self._refusal(Headers(scope=scope))
             if message is not None:
                 await send_error(scope, receive, send, APIError(
                     401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))

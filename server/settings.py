@@ -81,9 +81,14 @@ class Settings(BaseSettings):
         8 * 2**20, ge=1, description="largest request body accepted; larger ones get a 413")
     api_key: SecretStr | None = Field(
         None, description="when set, every route but /health, /livez and /metrics (the probes and the scrape) "
-                          "needs `Authorization: Bearer <key>`")
+                          "needs `Authorization: Bearer <key>` or `x-api-key: <key>`")
     allowed_origins: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="comma-separated origins allowed by CORS, or * (default: CORS off)")
+    responses_store_size: int = Field(
+        1024, ge=0, description="responses of /v1/responses kept in memory for GET and previous_response_id; past "
+                                "it the oldest is dropped (0: none kept)")
+    responses_store_ttl: float = Field(
+        3600.0, gt=0, description="seconds a stored response is kept after it was made")
     stream_timeout: float = Field(
         30.0, gt=0, description="seconds a stream may wait on a client that stopped reading before it is cut and "
                                 "its generation cancelled")

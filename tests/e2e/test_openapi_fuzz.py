@@ -28,9 +28,11 @@ from server_process import ServerProcess, start_server, stop_server
 
 # Examples per route and generation mode: valid requests for every route, and invalid ones (a broken body, a
 # missing or wrong key) for those that take a key; the probes have one distinct request, so they run once. That is
-# 3 + 3 + 3 + (3 + 3) + (20 + 20) + (150 + 150) * 2 + (60 + 60) + (40 + 40) = 898 requests, 50-60 s with the
-# server's start on this 2-core machine shared with other work (load average 4). The summary printed at the end
-# says how many each route ran and which statuses they got.
+# 3 + 3 + 3 + (3 + 3) + (20 + 20) + (150 + 150) * 2 + (60 + 60) + (40 + 40) = 898 requests for the chat and
+# completions routes and the others, 50-60 s with the server's start on this 2-core machine shared with other
+# work (load average 4), and (60 + 60) * 2 + (10 + 10) * 2 + (15 + 15) + (30 + 30) = 370 for the Responses and
+# Anthropic routes, 15-20 s more. The summary printed at the end says how many each route ran and which statuses
+# they got.
 EXAMPLES = {
     "GET /livez": 3,
     "GET /health": 3,
@@ -41,6 +43,12 @@ EXAMPLES = {
     "POST /v1/completions": 150,
     "POST /tokenize": 60,
     "POST /detokenize": 40,
+    "POST /v1/responses": 60,
+    "GET /v1/responses/{response_id}": 10,
+    "DELETE /v1/responses/{response_id}": 10,
+    "GET /v1/responses/{response_id}/input_items": 15,
+    "POST /v1/messages": 60,
+    "POST /v1/messages/count_tokens": 30,
 }
 MODEL = "smollm2-135m"
 VOCAB = 49152
@@ -53,6 +61,9 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           negative_data_rejection]
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 ENVELOPE_KEYS = {"message", "type", "param", "code"}
+# The streams of named events (`event:` then `data:` with that `type`), by path: the events that may end them.
+NAMED_STREAMS = {"/v1/responses": {"response.completed", "response.incomplete", "error"},
+                 "/v1/messages": {"message_stop", "error"}}
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +87,18 @@ def api(fuzz_server: ServerProcess) -> schemathesis.BaseSchema:
                                             "max-stream-events": 1000})
     return schemathesis.openapi.from_url(f"{fuzz_server.base_url}/openapi.json", config=config,
                                          headers={"Authorization": f"Bearer {KEY}"})
+
+
+@pytest.fixture(scope="module")
+def response_ids(fuzz_server: ServerProcess) -> list[str]:
+    """Three stored responses, for the routes that read them (a DELETE may take one away)."""
+    ids = []
+    for _ in range(3):
+        r = requests.post(f"{fuzz_server.base_url}/v1/responses", headers={"Authorization": f"Bearer {KEY}"},
+                          json={"model": MODEL, "input": "Hi", "max_output_tokens": 1}, timeout=60)
+        assert r.status_code == 200, r.text
+        ids.append(r.json()["id"])
+    return ids
 
 
 @pytest.fixture(scope="module")
@@ -106,16 +129,37 @@ def assert_envelope(body: Any) -> None:
     assert error["code"] is None or isinstance(error["code"], str), error
 
 
-def assert_errors_are_envelopes(response: schemathesis.Response) -> None:
-    """Every error body, and every error event of a stream (which ends with [DONE]), is the envelope."""
+def assert_anthropic_envelope(body: Any) -> None:
+    """Exactly Anthropic's error envelope: {"type": "error", "error": {type, message}}."""
+    assert isinstance(body, dict) and set(body) == {"type", "error"} and body["type"] == "error", body
+    error = body["error"]
+    assert isinstance(error, dict) and set(error) == {"type", "message"}, error
+    assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str), error
+
+
+def assert_errors_are_envelopes(response: schemathesis.Response, path: str) -> None:
+    """Every error body, and every error event of a stream, is the envelope of the route's API; a chat or
+    completions stream ends with [DONE], a stream of named events with its last event."""
     text = response.content.decode("utf-8")
+    anthropic = path.startswith("/v1/messages")
     if response.status_code >= 400:
-        assert_envelope(json.loads(text))
+        (assert_anthropic_envelope if anthropic else assert_envelope)(json.loads(text))
     elif response.headers.get("content-type", [""])[0].startswith("text/event-stream"):
         assert not response.stream_cut_short
         # SSE lines end only at CR or LF: str.splitlines() would also cut at U+2028 and the like inside the JSON.
         lines = re.split(r"\r\n|\r|\n", text)
         events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+        if path in NAMED_STREAMS:
+            names = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+            payloads = [json.loads(event) for event in events]
+            assert names == [p["type"] for p in payloads] and names[-1] in NAMED_STREAMS[path], names
+            for payload in payloads:
+                if payload["type"] == "error":
+                    if anthropic:
+                        assert_anthropic_envelope(payload)
+                    else:
+                        assert set(payload) == {"type", "sequence_number", "code", "message", "param"}, payload
+            return
         assert events and events[-1] == "[DONE]", text
         for event in events[:-1]:
             payload = json.loads(event)
@@ -123,14 +167,17 @@ def assert_errors_are_envelopes(response: schemathesis.Response) -> None:
                 assert_envelope(payload)
 
 
-def valid_for_this_server(case: Case, fit: bool, stream: bool) -> Case:
+def valid_for_this_server(case: Case, fit: bool, stream: bool, response_ids: list[str]) -> Case:
     """A valid request made to generate little: MAX_N choices of MAX_NEW_TOKENS at most. With `fit`, also made
     to pass the rules the document cannot state (the served model's id, token ids within its vocabulary, logit_bias
-    keys that are ids, no tools, top_logprobs with logprobs), so that most of them reach the model, and streamed
-    when `stream` (generated bodies rarely set it). Still valid."""
-    body = case.body
+    keys that are ids, no tools, top_logprobs with logprobs, a stored response's id, a conversation that ends with
+    the user), so that most of them reach the model, and streamed when `stream` (generated bodies rarely set it).
+    Still valid."""
+    body, path = case.body, case.operation.path
     if fit and "model_id" in (case.path_parameters or {}):
         case.path_parameters["model_id"] = MODEL
+    if fit and "response_id" in (case.path_parameters or {}):
+        case.path_parameters["response_id"] = response_ids[len(case.path_parameters["response_id"]) % 3]
     if not isinstance(body, dict):
         return case
     if fit:
@@ -142,11 +189,22 @@ def valid_for_this_server(case: Case, fit: bool, stream: bool) -> Case:
         if isinstance(body.get("logit_bias"), dict):
             body["logit_bias"] = {str(i * 997 % VOCAB): v for i, v in enumerate(body["logit_bias"].values())}
         body.pop("tools", None)
-        if body.get("top_logprobs") is not None and case.operation.path == "/v1/chat/completions":
+        if body.get("top_logprobs") is not None and path == "/v1/chat/completions":
             body["logprobs"] = True
-        if stream and case.operation.path in GENERATION_PATHS:
+        if path in NAMED_STREAMS or path == "/v1/messages/count_tokens":
+            for name in ("tool_choice", "text"):
+                body.pop(name, None)
+            if "previous_response_id" in body:
+                body["previous_response_id"] = response_ids[0]
+            if path != "/v1/responses" and body.get("messages"):
+                body["messages"][-1]["role"] = "user"
+        if stream and (path in GENERATION_PATHS or path in NAMED_STREAMS):
             body["stream"] = True
-    if case.operation.path in GENERATION_PATHS:
+    if path == "/v1/responses":
+        body["max_output_tokens"] = min(body.get("max_output_tokens") or MAX_NEW_TOKENS, MAX_NEW_TOKENS)
+    if path == "/v1/messages":
+        body["max_tokens"] = min(body["max_tokens"], MAX_NEW_TOKENS)
+    if path in GENERATION_PATHS:
         body["n"] = min(body.get("n", 1), MAX_N)
         budget = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         asked = body.get(budget)  # None: the rest of the context
@@ -179,13 +237,15 @@ RUNS = [(label, GenerationMode.POSITIVE) for label in EXAMPLES] + \
 
 @pytest.mark.parametrize("label,mode", RUNS, ids=[f"{label}-{mode}" for label, mode in RUNS])
 def test_route_answers_as_documented(api: schemathesis.BaseSchema, session: requests.Session,
-                                     summary: dict[str, Counter], label: str, mode: GenerationMode) -> None:
+                                     summary: dict[str, Counter], response_ids: list[str], label: str,
+                                     mode: GenerationMode) -> None:
     operation = api.find_operation_by_label(label)
     assert operation is not None, label
     strategy = operation.as_strategy(generation_mode=mode)
     if mode is GenerationMode.POSITIVE:  # 3 in 4 fit the server, half of those streamed; the others mostly 404/400
         strategy = st.tuples(strategy, st.integers(0, 7)).map(
-            lambda drawn: valid_for_this_server(drawn[0], fit=drawn[1] > 1, stream=drawn[1] > 4))
+            lambda drawn: valid_for_this_server(drawn[0], fit=drawn[1] > 1, stream=drawn[1] > 4,
+                                                response_ids=response_ids))
 
     # No shrinking: each step is a request, and schemathesis already reports the failing one as a curl command.
     @settings(max_examples=EXAMPLES[label], deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
@@ -196,6 +256,6 @@ def test_route_answers_as_documented(api: schemathesis.BaseSchema, session: requ
         streamed = response.headers.get("content-type", [""])[0].startswith("text/event-stream")
         summary[label][f"{response.status_code}{' SSE' if streamed else ''}"] += 1
         case.validate_response(response, checks=CHECKS)
-        assert_errors_are_envelopes(response)
+        assert_errors_are_envelopes(response, case.operation.path)
 
     run()

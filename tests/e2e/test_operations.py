@@ -1,4 +1,4 @@
-"""Production operation of a real server: API key, CORS, body and prompt limits, request ids, JSON request logs,
+"""Production operation of a real server: API key (Bearer or x-api-key), CORS, body and prompt limits, request ids, JSON request logs,
 and the graceful SIGTERM drain, all through real HTTP and the official client."""
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -54,6 +55,27 @@ def test_the_right_key_is_served_and_every_other_answer_is_a_401_envelope(secure
         assert r.json()["error"]["code"] == "invalid_api_key"
     r = httpx.post(f"{secured.base_url}/tokenize", json={"prompt": "hi"})
     assert r.status_code == 401
+
+
+def test_x_api_key_is_honoured_like_the_bearer_key_with_anthropics_401_on_messages(secured: ServerProcess) -> None:
+    def claude(key: str) -> anthropic.Anthropic:
+        return anthropic.Anthropic(base_url=secured.base_url, api_key=key, max_retries=0, timeout=60)
+
+    hello = [{"role": "user", "content": "Say hello."}]
+    reply = claude(API_KEY).messages.create(model=MODEL, max_tokens=4, messages=hello)  # sends x-api-key
+    assert reply.content[0].text
+    with pytest.raises(anthropic.AuthenticationError) as wrong:
+        claude(API_KEY + "x").messages.create(model=MODEL, max_tokens=4, messages=hello)
+    assert wrong.value.body == {"type": "error", "error": {"type": "authentication_error",
+                                                           "message": "Incorrect API key provided."}}
+    r = httpx.post(f"{secured.base_url}/v1/messages/count_tokens", json={"model": MODEL, "messages": hello})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    # Either header, on any route; a wrong one beside the right one does not lock the client out.
+    assert httpx.get(f"{secured.base_url}/v1/models", headers={"x-api-key": API_KEY}).status_code == 200
+    both = {"x-api-key": "wrong", "Authorization": f"Bearer {API_KEY}"}
+    assert httpx.get(f"{secured.base_url}/v1/models", headers=both).status_code == 200
+    r = httpx.get(f"{secured.base_url}/v1/models", headers={"x-api-key": API_KEY + "x"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_probes_and_metrics_stay_open_and_count_auth_failures(secured: ServerProcess) -> None:

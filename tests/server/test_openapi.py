@@ -12,6 +12,7 @@ from server.errors import APIError
 from server.settings import Settings
 
 ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
+ANTHROPIC_ERROR_REF = {"$ref": "#/components/schemas/AnthropicErrorResponse"}
 PROBES = {"/health", "/livez", "/metrics"}
 
 
@@ -39,6 +40,12 @@ STATUSES = {
     ("GET", "/v1/models/{model_id}"): {"200", "404", "503"},
     ("POST", "/v1/chat/completions"): {"200", "400", "404", "413", "429", "503"},
     ("POST", "/v1/completions"): {"200", "400", "404", "413", "429", "503"},
+    ("POST", "/v1/responses"): {"200", "400", "404", "413", "429", "503"},
+    ("GET", "/v1/responses/{response_id}"): {"200", "404", "503"},
+    ("DELETE", "/v1/responses/{response_id}"): {"200", "404", "503"},
+    ("GET", "/v1/responses/{response_id}/input_items"): {"200", "400", "404", "503"},
+    ("POST", "/v1/messages"): {"200", "400", "404", "413", "429", "503"},
+    ("POST", "/v1/messages/count_tokens"): {"200", "400", "404", "413", "503"},
     ("POST", "/tokenize"): {"200", "400", "404", "413", "503"},
     ("POST", "/detokenize"): {"200", "400", "404", "413", "503"},
 }
@@ -49,21 +56,26 @@ def test_each_route_declares_the_statuses_it_answers() -> None:
     assert declared == STATUSES
 
 
-def test_every_error_status_is_the_envelope_and_retry_after_is_declared() -> None:
+def test_every_error_status_is_the_envelope_of_its_api_and_retry_after_is_declared() -> None:
     for method, path, op in operations(document(api_key="k")):
+        envelope = ANTHROPIC_ERROR_REF if path.startswith("/v1/messages") else ERROR_REF
         for status, response in op["responses"].items():
             if int(status) < 400 or (path == "/health" and status == "503"):
                 continue
-            assert response["content"] == {"application/json": {"schema": ERROR_REF}}, (method, path, status)
+            assert response["content"] == {"application/json": {"schema": envelope}}, (method, path, status)
             if status in ("429", "503"):
                 assert "Retry-After" in response["headers"], (method, path, status)
 
 
-def test_the_envelope_schema_is_what_errors_answer() -> None:
+def test_the_envelope_schemas_are_what_errors_answer() -> None:
     doc = document()
     schema = {"$ref": "#/components/schemas/ErrorResponse", "components": doc["components"]}
+    anthropic = {**ANTHROPIC_ERROR_REF, "components": doc["components"]}
     for error in (APIError(404, "no such model", param="model", code="model_not_found"), APIError(500, "boom")):
         jsonschema.validate(error.body(), schema)
+        jsonschema.validate(error.anthropic_body(), anthropic)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(APIError(400, "m").body(), anthropic)
     for wrong in ({"error": {"message": "m", "type": "t", "param": None, "code": 5}},       # an integer code
                   {"error": {"message": "m", "type": "t", "param": None}},                 # a key missing
                   {"error": {"message": "m", "type": "t", "param": None, "code": None, "x": 1}},
@@ -76,10 +88,12 @@ def test_401_is_declared_exactly_when_a_key_is_set() -> None:
     for method, path, op in operations(document()):
         assert "401" not in op["responses"] and "security" not in op, (method, path)
     doc = document(api_key="k")
-    assert doc["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
+    assert doc["components"]["securitySchemes"] == {
+        "bearer": {"type": "http", "scheme": "bearer"},
+        "api_key": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
     for method, path, op in operations(doc):
         assert ("401" in op["responses"]) == (path not in PROBES), (method, path)
-        assert ("security" in op) == (path not in PROBES), (method, path)
+        assert op.get("security") == (None if path in PROBES else [{"bearer": []}, {"api_key": []}]), (method, path)
 
 
 def test_media_types_metrics_text_and_event_streams() -> None:
@@ -95,7 +109,16 @@ def test_media_types_metrics_text_and_event_streams() -> None:
         assert {"$ref": f"#/components/schemas/{chunk}"} in data[1]["contentSchema"]["anyOf"]
         assert ERROR_REF in data[1]["contentSchema"]["anyOf"]
         assert chunk in doc["components"]["schemas"]
-    for path in ("/tokenize", "/detokenize", "/v1/models"):
+    # The Responses and Anthropic streams: named events, each data one of the route's event models, no [DONE].
+    for path, events in (("/v1/responses", {"ResponseLifecycleEvent", "OutputTextDeltaEvent", "ResponseErrorEvent"}),
+                         ("/v1/messages", {"MessageStartEvent", "ContentBlockDeltaEvent", "AnthropicErrorResponse"})):
+        content = doc["paths"][path]["post"]["responses"]["200"]["content"]
+        assert set(content) == {"application/json", "text/event-stream"}
+        event = content["text/event-stream"]["schema"]
+        assert event["required"] == ["data", "event"]
+        refs = {ref["$ref"].rsplit("/", 1)[1] for ref in event["properties"]["data"]["contentSchema"]["anyOf"]}
+        assert events <= refs <= set(doc["components"]["schemas"]), refs
+    for path in ("/tokenize", "/detokenize", "/v1/models", "/v1/messages/count_tokens"):
         method = "get" if path == "/v1/models" else "post"
         assert list(doc["paths"][path][method]["responses"]["200"]["content"]) == ["application/json"]
 

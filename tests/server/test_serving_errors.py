@@ -12,7 +12,9 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import anthropic
 import httpx
+import httpx2
 import openai
 import pytest
 
@@ -251,3 +253,69 @@ def test_unexpected_exception_mid_stream_is_an_error_event_then_done(
     run_app(scenario)
     logged = [r for r in caplog.records if r.getMessage().startswith("unhandled error while streaming")]
     assert len(logged) == 1 and logged[0].exc_info is not None and SECRET in str(logged[0].exc_info[1])
+
+
+# The Responses and Anthropic streams end a failure with their API's own `error` event (no [DONE]).
+RESPONSES = {"model": MODEL, "input": "Count to fifty.", "max_output_tokens": 12, "temperature": 0}
+MESSAGES = {"model": MODEL, "messages": [{"role": "user", "content": "Count to fifty."}], "max_tokens": 12,
+            "temperature": 0}
+
+
+def named_events(body: str) -> list[tuple[str, dict[str, Any]]]:
+    names = [line.removeprefix("event:").strip() for line in body.splitlines() if line.startswith("event:")]
+    return list(zip(names, [json.loads(d) for d in sse_data(body)], strict=True))
+
+
+@pytest.mark.parametrize("path,body", [("/v1/responses", RESPONSES), ("/v1/messages", MESSAGES)],
+                         ids=["responses", "messages"])
+def test_failure_mid_stream_is_the_apis_error_event(failing, path: str, body: dict) -> None:
+    failure = failing(RuntimeError(SECRET))
+
+    async def scenario(http: httpx.AsyncClient, app) -> None:
+        r = await http.post(path, json={**body, "stream": True})
+        assert r.status_code == 200
+        assert_no_internals(r.text)
+        events = named_events(r.text)
+        assert [name for name, _ in events] == [data["type"] for _, data in events]
+        assert events[-1][0] == "error" and all(name != "error" for name, _ in events[:-1]), events
+        assert any("delta" in name for name, _ in events), events  # text came before the failure
+        error = events[-1][1]
+        if path == "/v1/responses":  # the published error event, numbered in the stream's sequence
+            assert set(error) == {"type", "sequence_number", "code", "message", "param"}, error
+            assert error["sequence_number"] == len(events) - 1 and error["message"], error
+        else:  # Anthropic's envelope
+            assert set(error) == {"type", "error"} and set(error["error"]) == {"type", "message"}, error
+            assert error["error"]["type"] == "api_error" and error["error"]["message"], error
+        assert failure.raised == 1
+        metric = app.state.metrics.registry.get_sample_value
+        assert metric("emberserve:request_failure_total", {"error_type": "server_error"}) == 1
+        failure.on = False
+        ok = await http.post(path, json=body)
+        assert ok.status_code == 200, ok.text
+
+    run_app(scenario)
+
+
+def test_failures_reach_the_anthropic_client_as_its_errors(failing) -> None:
+    failure = failing(RuntimeError(SECRET))
+
+    async def scenario(http: httpx.AsyncClient, app) -> None:
+        # The anthropic client speaks through httpx2, httpx's successor: its own ASGI transport to the same app.
+        transport = httpx2.ASGITransport(app=app, raise_app_exceptions=False)
+        claude = anthropic.AsyncAnthropic(base_url="http://test", api_key="unused", max_retries=0,
+                                          http_client=httpx2.AsyncClient(transport=transport, timeout=60))
+        with pytest.raises(anthropic.InternalServerError) as unstreamed:
+            await claude.messages.create(model=MODEL, max_tokens=12, messages=MESSAGES["messages"])
+        assert unstreamed.value.status_code == 500
+        assert set(unstreamed.value.body) == {"type", "error"}
+        assert unstreamed.value.body["error"]["type"] == "api_error"
+        texts, failure.calls = [], 0  # the next failure FAIL_AFTER passes into the stream
+        with pytest.raises(anthropic.APIStatusError) as streamed:
+            async with claude.messages.stream(model=MODEL, max_tokens=12, messages=MESSAGES["messages"]) as stream:
+                async for text in stream.text_stream:
+                    texts.append(text)
+        assert texts  # it failed mid-stream, not at the start
+        assert streamed.value.body["error"]["type"] == "api_error"
+        assert_no_internals(json.dumps(streamed.value.body))
+
+    run_app(scenario)
