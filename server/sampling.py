@@ -368,6 +368,9 @@ def sample_batch(logits: torch.Tensor, samplers: Sequence[SequenceSampler]) -> l
     _check(logits, samplers)
     if not samplers:
         return []
+    fast = _plain_greedy(logits, samplers)
+    if fast is not None:
+        return fast
     x = _adjusted_logits(logits, samplers)
     greedy = [i for i, s in enumerate(samplers) if s.params.is_greedy()]
     sampled = [i for i, s in enumerate(samplers) if not s.params.is_greedy()]
@@ -382,6 +385,22 @@ def sample_batch(logits: torch.Tensor, samplers: Sequence[SequenceSampler]) -> l
     out = [SampledToken(t, None, None) for t in tokens.tolist()]
     _fill_logprobs(logits, samplers, tokens, out)
     return out
+
+
+def _plain_greedy(logits: torch.Tensor, samplers: Sequence[SequenceSampler]) -> list[SampledToken] | None:
+    """The tokens of a batch whose rows are all greedy with nothing to adjust and no logprobs asked, in one pass
+    over the logits and one copy to the host; None (the general path decides) when a row's largest logit is not
+    finite, or the batch is not of that kind. The common serving step, so it skips the copies the general path
+    makes to be safe with NaN and infinities."""
+    for s in samplers:
+        if not s.params.is_greedy() or s.params.logprobs or s.bias_ids is not None or s.suppressed is not None \
+                or s.counts is not None or s.prompt_mask is not None:
+            return None
+    values, tokens = logits.max(-1)
+    out = torch.cat((tokens, torch.isfinite(values).all().long().view(1))).tolist()
+    if not out[-1]:
+        return None
+    return [SampledToken(t, None, None) for t in out[:-1]]
 
 
 @torch.no_grad()

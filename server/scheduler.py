@@ -162,15 +162,19 @@ class Scheduler:
         """Pick this step's units and give each the blocks it needs; a unit computes min(pending, budget) tokens."""
         blocks, budget, chosen = self.runner.blocks, self.max_batched_tokens, []
         self._take = {}
+        running = set(self.running)  # membership in O(1): preemption and failures take units out as we go
         for unit in self._running_order():
-            if unit not in self.running or budget <= 0 or unit.gen.backlogged:
+            if unit not in running or budget <= 0 or unit.gen.backlogged:
                 continue  # preempted or failed meanwhile, out of budget, or paused: its reader is far behind
             take = min(unit.kv.num_pending, budget)
             if self._refused(unit, take):
+                running = set(self.running)
                 continue
-            while not blocks.can_allocate(unit.kv, unit.kv.num_computed + take) and self._preempt_newest(unit, self._take):
-                pass
-            if not blocks.can_allocate(unit.kv, unit.kv.num_computed + take):
+            fits = blocks.can_allocate(unit.kv, unit.kv.num_computed + take)
+            while not fits and self._preempt_newest(unit, self._take):
+                running = set(self.running)
+                fits = blocks.can_allocate(unit.kv, unit.kv.num_computed + take)
+            if not fits:
                 self.running.remove(unit)  # even alone it does not fit now: wait for blocks
                 self.runner.free_sequence(unit.kv)
                 self.waiting.appendleft(unit)
