@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from engine import fused_kernels, fused_kernels_torch, layers
-from engine.kv_cache import write_slots
 from fused_kernel_cases import EPS, VARIANTS, Case, build, check, copied, expected, model_cases
 
 ROOT = Path(__file__).resolve().parents[2]
