@@ -28,6 +28,7 @@ from .request_context import REQUEST_ID_HEADER, RequestContext
 from .routes import router
 from .security import ApiKeyAuth, BodySizeLimit
 from .serving import ModelState
+from .grammar import GrammarCompiler
 from .serving_chat import ChatServing
 from .serving_completions import CompletionServing
 from .settings import Settings, device_default
@@ -83,7 +84,8 @@ def _load(settings: Settings, on_worker_failure: Callable[[Worker], None]) -> Mo
     return ModelState(model_id=model_id, runner=runner, pool=pool, fingerprint=f"fp_{digest}",
                       created=int(time.time()), max_prompt_tokens=settings.max_prompt_tokens,
                       stream_timeout=settings.stream_timeout,
-                      parse_special_in_messages=settings.parse_special_in_messages)
+                      parse_special_in_messages=settings.parse_special_in_messages,
+                      grammars=GrammarCompiler(runner.tokenizer))
 
 
 async def _in_own_thread(fn: Callable[[], T]) -> T:
