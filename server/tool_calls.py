@@ -80,10 +80,31 @@ def _check_tools(tools: list[ToolDefinition]) -> None:
                                         f"{json.dumps(kind)}", param)
 
 
-def _call_schema(tool: ToolDefinition, args_key: str) -> dict[str, Any]:
+def _rebased(value: Any, base: str) -> Any:
+    """`value` with every local reference ("#...") made relative to `base` instead of the document's root."""
+    if isinstance(value, dict):
+        return {k: (base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebased(v, base))
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rebased(v, base) for v in value]
+    return value
+
+
+def _call_schema(tool: ToolDefinition, args_key: str, defs: dict[str, Any]) -> dict[str, Any]:
+    """The schema of one call object. Parameters with local references ("#/$defs/...") move into `defs`, the
+    root's $defs, so that their references still resolve inside the envelope."""
     fn = tool.function
-    return {"type": "object", "properties": {"name": {"const": fn.name}, args_key: fn.parameters or NO_PARAMETERS},
+    arguments = fn.parameters or NO_PARAMETERS
+    if '"$ref": "#' in json.dumps(arguments):
+        key = f"parameters_of_{fn.name}"
+        defs[key] = _rebased(arguments, f"#/$defs/{key}")
+        arguments = {"$ref": f"#/$defs/{key}"}
+    return {"type": "object", "properties": {"name": {"const": fn.name}, args_key: arguments},
             "required": ["name", args_key], "additionalProperties": False}
+
+
+def _with_defs(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    return {**schema, "$defs": defs} if defs else schema
 
 
 def _one_of(schemas: list[dict[str, Any]]) -> dict[str, Any]:
@@ -105,14 +126,15 @@ def _lark_json(schema: dict[str, Any]) -> str:
 
 def _grammar(fmt: ToolFormatName, tools: list[ToolDefinition], choice: str, parallel: bool) -> GrammarSpec:
     args_key = "parameters" if fmt == "llama3" else "arguments"
-    calls = [_call_schema(t, args_key) for t in tools]
+    defs: dict[str, Any] = {}
+    calls = [_call_schema(t, args_key, defs) for t in tools]
     if fmt == "generic":
         envelope = _generic_envelope(calls, parallel)
         if choice == "auto":
             envelope = {"anyOf": [envelope, {"type": "object", "properties": {"response": {"type": "string"}},
                                              "required": ["response"], "additionalProperties": False}]}
-        return GrammarSpec.json_schema(envelope, "tools")
-    body = f"body: {_lark_json(_one_of(calls))}"
+        return GrammarSpec.json_schema(_with_defs(envelope, defs), "tools")
+    body = f"body: {_lark_json(_with_defs(_one_of(calls), defs))}"
     if fmt == "llama3":  # one call per turn
         if choice == "auto":  # text that does not start with "{", or the call
             return GrammarSpec("lark", f"start: TEXT | body\nTEXT: /[^{{](.|\\n)*/\n{body}", "tools")

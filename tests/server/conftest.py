@@ -16,7 +16,7 @@ from engine.registry import KNOWN_MODELS
 from engine.tokenizer import Tokenizer
 from engine.weights.gguf import read_gguf_metadata
 from server.grammar import CompiledGrammar, GrammarCompiler
-from server.token_bitmask import allocate_bitmask, apply_token_bitmask
+from server.token_bitmask import allocate_bitmask, allowed_tokens, apply_token_bitmask
 
 
 @pytest.fixture(scope="session")
@@ -48,12 +48,18 @@ def drive(smol_tokenizer: Tokenizer) -> Callable[..., Walk]:
         closing[i] = 5.0
 
     def run(grammar: CompiledGrammar, seed: int = 0, greedy: bool = True, max_steps: int = 400,
-            bias: torch.Tensor | None = None) -> Walk:
-        """One output under `grammar`; `bias` is added to the logits (on top of the closing bias)."""
+            bias: torch.Tensor | None = None, prefix: tuple[int, ...] = ()) -> Walk:
+        """One output under `grammar`; `bias` is added to the logits (on top of the closing bias); `prefix`:
+        tokens the "model" writes first (each must be allowed)."""
         gen = torch.Generator().manual_seed(seed)
         matcher = grammar.matcher()
         bitmask = allocate_bitmask(1, tok.vocab_size)
         tokens: list[int] = []
+        for token in prefix:
+            matcher.fill_bitmask(bitmask, 0)
+            assert token in allowed_tokens(bitmask, 0, tok.vocab_size)
+            assert matcher.advance(token)
+            tokens.append(token)
         for _ in range(max_steps):
             if matcher.is_stopped:
                 return Walk(tokens, tok.decode(tokens), True, False)
