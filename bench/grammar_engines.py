@@ -4,6 +4,8 @@
 
 The figures of issue 14's engine choice (bench/RESULTS.md). Each engine drives the same schemas with random
 choices among the allowed tokens; "fill" is one constrained row's mask per step, the cost the sampler pays.
+llguidance is the engine in use (pyproject.toml); xgrammar runs only where it is installed by hand
+(`pip install xgrammar==0.2.8`, which also needs transformers and triton).
 """
 from __future__ import annotations
 
@@ -46,23 +48,16 @@ class LLGuidance:
 
     def __init__(self, tok: Tokenizer) -> None:
         import llguidance
-        import llguidance.torch
 
         self.llg, self.tok = llguidance, tok
+        from server.grammar import _llguidance_tokenizer  # the server's own view of the vocabulary
 
-        class Vocab:  # what llguidance.TokenizerWrapper reads
-            eos_token_id, bos_token_id = tok.eos_token_id, tok.bos_token_id
-            tokens = [tok.token_bytes(i) for i in range(tok.vocab_size)]
-            special_token_ids = sorted(tok.special_token_ids)
-
-            def __call__(self, text: str) -> list[int]:
-                return tok.encode(text, add_special_tokens=False, parse_special=False)
-
-        self.lltok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(Vocab()), n_vocab=tok.vocab_size,
-                                            eos_token=sorted(tok.end_token_ids))
+        self.lltok = _llguidance_tokenizer(tok)
 
     def compile(self, schema: dict | None) -> object:
-        g = (self.llg.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+        from server.grammar import JSON_FORMAT
+
+        g = (self.llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_FORMAT)
              if schema is not None else self.llg.grammar_from("json_schema", '{"type": "object"}'))
         m = self.llg.LLMatcher(self.lltok, g)
         assert not m.is_error(), m.get_error()
@@ -72,7 +67,7 @@ class LLGuidance:
         return compiled.deep_copy()
 
     def fill(self, m: object, bitmask: torch.Tensor) -> None:
-        self.llg.torch.fill_next_token_bitmask(m, bitmask, 0)
+        m.unsafe_compute_mask_ptr(bitmask[0].data_ptr(), bitmask.shape[1] * 4)
 
     def accept(self, m: object, t: int) -> bool:
         return m.consume_token(t)
@@ -145,8 +140,6 @@ def main() -> None:
     for ename in args.engines.split(","):
         t = time.perf_counter()
         __import__(ename)
-        if ename == "llguidance":
-            import llguidance.torch  # noqa: F401
         print(f"import {ename}: {(time.perf_counter() - t) * 1e3:.0f} ms")
     for model in args.models.split(","):
         tok = load_tokenizer(model)
