@@ -13,7 +13,7 @@ MODEL = "smollm2-135m"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                             "unit": {"enum": ["celsius", "fahrenheit"]}},
            "required": ["city", "unit"], "additionalProperties": False}
-TIME = {"type": "object", "properties": {"zone": {"type": "string", "pattern": "^[A-Z][a-z]+/[A-Z][a-z]+$"}},
+TIME = {"type": "object", "properties": {"zone": {"type": "string", "pattern": "^[A-Z][a-z]{1,10}/[A-Z][a-z]{1,10}$"}},
         "required": ["zone"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
                                            "parameters": WEATHER}},

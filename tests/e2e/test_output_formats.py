@@ -47,8 +47,7 @@ def test_json_schema_outputs_validate(client, schema):
 
 def test_json_object_parses_streamed_too(client):
     stream = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=48, stream=True, temperature=0,
-                                            response_format={"type": "json_object"},
-                                            extra_body={"structured_outputs": None})
+                                            response_format={"type": "json_object"})
     text, finish = "", None
     for chunk in stream:
         if chunk.choices:
