@@ -33,7 +33,7 @@ def _check_calls(message) -> None:
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
 def test_forced_calls_are_valid(client, choice):
     r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=60,
-                                       n=2, temperature=1.0, seed=3)
+                                       n=2, temperature=1.0, seed=3, parallel_tool_calls=False)
     for c in r.choices:
         assert c.finish_reason == "tool_calls" and c.message.content is None
         _check_calls(c.message)
