@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: messages → chat template → Generation → a chat.completion or its SSE chunks."""
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -67,14 +68,20 @@ class ChatServing(OpenAIServing):
         if req.top_logprobs is not None and not req.logprobs:
             raise invalid("top_logprobs requires logprobs to be true", param="top_logprobs")
         try:
-            tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tokenizer.chat_template)
             spec = output_grammar(req.response_format, req.structured_outputs)
+            response = None
+            if spec is not None and req.tools and req.tool_choice != "none":
+                if spec.kind != "json_schema":
+                    raise StructuredOutputError("with tools, only a JSON response_format can shape the answer",
+                                                spec.param)
+                response = json.loads(spec.source)
+            tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tokenizer.chat_template,
+                               response)
         except StructuredOutputError as e:
             raise invalid(e.message, param=e.param) from None
-        if spec is not None and tools is not None and tools.grammar is not None:
-            raise invalid("an output format and tool calls cannot both constrain the output: send tool_choice "
-                          "'none', or no response_format", param="response_format")
-        grammar = await self.compile_grammar(spec or (tools.grammar if tools is not None else None))
+        if tools is not None and tools.grammar is not None:
+            spec = tools.grammar  # the calls' grammar, with the response_format's answer in it
+        grammar = await self.compile_grammar(spec)
         ids = await run_in_threadpool(chat_prompt_ids, self.state, req.messages, req.add_generation_prompt, tools)
         budget = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self.max_tokens(len(ids), budget)

@@ -12,7 +12,8 @@ The call format follows the model's chat template (`tool_format`):
 The grammar (`ToolPlan.grammar`): `required` and a named function force calls whose arguments match the function's
 schema; `auto` lets the model write text, and once a call starts (its marker, "{" for llama3) forces the call
 (llguidance's lazy lexemes), or for "generic" lets it pick the response or the call envelope. `none` sends no
-tools and no grammar: the model answers in text.
+tools and no grammar: the model answers in text. With a JSON `response_format` as well, `auto` lets the model
+answer with that JSON instead of text (the content is the JSON), or call; the forced choices only call.
 """
 from __future__ import annotations
 
@@ -54,13 +55,15 @@ class ToolPlan:
     choice: Literal["none", "auto", "required", "named"]
     parallel: bool
     grammar: GrammarSpec | None
+    json_response: bool = False       # an answer that is no call is JSON of the response_format's schema
 
     @property
     def parses_calls(self) -> bool:
         return self.choice != "none"
 
     def parser(self) -> ToolCallParser:
-        return ToolCallParser(self.format, start_marker=HERMES_START, end_marker=HERMES_END)
+        return ToolCallParser(self.format, start_marker=HERMES_START, end_marker=HERMES_END,
+                              json_response=self.json_response)
 
 
 def _check_tools(tools: list[ToolDefinition]) -> None:
@@ -124,14 +127,19 @@ def _lark_json(schema: dict[str, Any]) -> str:
     return "%json " + json.dumps({"x-guidance": JSON_FORMAT, **schema}, ensure_ascii=False)
 
 
-def _grammar(fmt: ToolFormatName, tools: list[ToolDefinition], choice: str, parallel: bool) -> GrammarSpec:
+def _grammar(fmt: ToolFormatName, tools: list[ToolDefinition], choice: str, parallel: bool,
+             response: dict[str, Any] | bool | None) -> GrammarSpec:
+    """`response`: the schema of an answer that is no call (None: free text)."""
     args_key = "parameters" if fmt == "llama3" else "arguments"
     defs: dict[str, Any] = {}
     calls = [_call_schema(t, args_key, defs) for t in tools]
     if fmt == "generic":
         envelope = _generic_envelope(calls, parallel)
         if choice == "auto":
-            envelope = {"anyOf": [envelope, {"type": "object", "properties": {"response": {"type": "string"}},
+            answer = {"type": "string"} if response is None else _rebased(response, "#/$defs/response")
+            if response is not None and '"$ref": "#' in json.dumps(response):
+                defs["response"], answer = answer, {"$ref": "#/$defs/response"}
+            envelope = {"anyOf": [envelope, {"type": "object", "properties": {"response": answer},
                                              "required": ["response"], "additionalProperties": False}]}
         return GrammarSpec.json_schema(_with_defs(envelope, defs), "tools")
     body = f"body: {_lark_json(_with_defs(_one_of(calls), defs))}"
@@ -141,6 +149,10 @@ def _grammar(fmt: ToolFormatName, tools: list[ToolDefinition], choice: str, para
         return GrammarSpec("lark", f"start: body\n{body}", "tools")
     call = f'"\\n" body "\\n{HERMES_END}"'
     more = f'("\\n{HERMES_START}" {call})*' if parallel else ""
+    if choice == "auto" and response is not None:  # the JSON answer, or calls from the first character
+        return GrammarSpec("lark", f'start: answer | "{HERMES_START}" {call} {more}\n'
+                                   f"answer: {_lark_json(response if isinstance(response, dict) else {})}\n{body}",
+                           "response_format")
     if choice == "auto":
         rules = (f"start: free | head {call} {more}\n"
                  f'head[lazy]: FREE "{HERMES_START}"\n'
@@ -152,9 +164,10 @@ def _grammar(fmt: ToolFormatName, tools: list[ToolDefinition], choice: str, para
 
 
 def plan_tools(tools: list[ToolDefinition] | None, tool_choice: str | NamedToolChoice | None,
-               parallel_tool_calls: bool | None, template: str) -> ToolPlan | None:
-    """The plan for a request's tools (None without any); StructuredOutputError for definitions or a choice that
-    cannot be honoured."""
+               parallel_tool_calls: bool | None, template: str,
+               response: dict[str, Any] | bool | None = None) -> ToolPlan | None:
+    """The plan for a request's tools (None without any); `response`: the JSON schema of the response_format, which
+    an answer that is no call follows. StructuredOutputError for definitions or a choice that cannot be honoured."""
     fmt = tool_format(template)
     if not tools:
         if tool_choice not in (None, "none", "auto"):
@@ -172,8 +185,15 @@ def plan_tools(tools: list[ToolDefinition] | None, tool_choice: str | NamedToolC
     parallel = parallel_tool_calls is not False and choice != "named" and fmt != "llama3"
     if choice == "none":
         return ToolPlan(fmt, [], "none", parallel, None)
+    if choice != "auto":
+        response = None  # the output is calls
+    if response is not None and fmt == "llama3":
+        raise StructuredOutputError("this model's tool-call format (a JSON object) cannot tell a JSON answer from a "
+                                    "call: send tool_choice 'none' or 'required', or no response_format",
+                                    "response_format")
     definitions = [t.model_dump(exclude_none=True) for t in chosen]
-    return ToolPlan(fmt, definitions, choice, parallel, _grammar(fmt, chosen, choice, parallel))
+    return ToolPlan(fmt, definitions, choice, parallel, _grammar(fmt, chosen, choice, parallel, response),
+                    json_response=response is not None)
 
 
 def _arguments(call: Any, where: str) -> Any:

@@ -167,8 +167,11 @@ class ToolCallParser:
     """One choice's output in one of the call formats; `content` and `calls` hold everything parsed so far."""
 
     def __init__(self, fmt: ToolFormatName, *, start_marker: str = "<tool_call>", end_marker: str = "</tool_call>",
-                 new_id: Callable[[], str] = new_call_id) -> None:
+                 new_id: Callable[[], str] = new_call_id, json_response: bool = False) -> None:
+        """`json_response`: a generic "response" is JSON (of a response_format), sent as its text; else a string,
+        sent decoded."""
         self.format, self.start_marker, self.end_marker, self._new_id = fmt, start_marker, end_marker, new_id
+        self.json_response = json_response
         self.args_key = "parameters" if fmt == "llama3" else "arguments"
         self.content = ""
         self.calls: list[ParsedCall] = []
@@ -176,6 +179,7 @@ class ToolCallParser:
         self._cursor = _JsonCursor()
         self._block = 0                         # hermes / llama3: the call index of the current JSON object
         self._capturing: _CallState | None = None
+        self._answering = False                 # inside a generic JSON "response"
         # "text" (hermes, outside calls), "after" (hermes, after a call), "json", "closing" (hermes, after a
         # call's JSON until its end marker), "undecided" (llama3/generic before the first character), "plain", "done"
         self._mode = "text" if fmt == "hermes" else "undecided"
@@ -246,12 +250,19 @@ class ToolCallParser:
 
     def _json_char(self, ch: str, content: list[str]) -> None:
         take = self._capturing
+        answer = self._answering
         for event in self._cursor.feed(ch):
             kind, path = event[0], event[1]
             located = self._call_of(path)
             if located is None:
-                if kind == "text" and self.format == "generic" and path == ("response",):
-                    content.append(event[2])
+                if self.format == "generic" and path == ("response",):
+                    if not self.json_response and kind == "text":
+                        content.append(event[2])
+                    elif self.json_response and kind == "start":
+                        self._answering = answer = True
+                    elif self.json_response and kind == "end":
+                        self._answering = False
+                        answer = event[2]
                 continue
             index, rel = located
             state = self._states.get(index)
@@ -271,6 +282,8 @@ class ToolCallParser:
                     take = state if event[2] else None  # a closing "}" belongs to the arguments, a "," not
         if take is not None:
             take.pending.append(ch)
+        if answer:  # a JSON answer's characters, as written
+            content.append(ch)
         if self._cursor.done:
             self._mode, self._held = ("closing" if self.format == "hermes" else "done"), ""
 

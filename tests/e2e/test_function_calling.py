@@ -99,6 +99,21 @@ def test_a_tool_result_goes_into_the_next_turn(aclient):
     assert message.content or message.tool_calls
 
 
+def test_auto_with_a_response_format_answers_in_its_json_or_calls(client):
+    answer = {"type": "object", "properties": {"summary": {"type": "string", "maxLength": 40}},
+              "required": ["summary"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], tools=TOOLS, max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": answer}})
+    c = r.choices[0]
+    if c.message.tool_calls:
+        assert c.finish_reason == "tool_calls"
+        _check_calls(c.message)
+    else:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.message.content), answer)
+
+
 @pytest.mark.parametrize("body, param", [
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
@@ -107,7 +122,7 @@ def test_a_tool_result_goes_into_the_next_turn(aclient):
                                                                              "required": "x"}}}]},
      "tools.0.function.parameters"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": TOOLS, "structured_outputs": {"regex": "a+"}}, "structured_outputs.regex"),
 ])
 def test_bad_tools_get_400_with_param(client, body, param):
     with pytest.raises(openai.BadRequestError) as info:

@@ -233,3 +233,34 @@ def test_arguments_that_are_not_json_are_refused():
     with pytest.raises(StructuredOutputError) as info:
         template_messages(bad, "hermes", None)
     assert info.value.param == "messages.1.tool_calls.0.function.arguments"
+
+
+@pytest.mark.parametrize("fmt", ["generic", "hermes"])
+def test_auto_with_a_response_format_answers_in_its_json_or_calls(grammars, drive, smol_tokenizer, fmt):
+    answer_schema = OBJECT_SCHEMAS[6]  # {"colour": enum}
+    arguments = OBJECT_SCHEMAS[9]      # {"zip": pattern}
+    plan = plan_tools([tool("lookup", arguments)], "auto", None, TEMPLATES[fmt], answer_schema)
+    assert plan.json_response
+    grammar = grammars.compile(plan.grammar)
+    answer_start = '{"response' if fmt == "generic" else "{"
+    call_start = '{"tool' if fmt == "generic" else "<tool_call>"
+    answered = drive(grammar, seed=3, prefix=tuple(smol_tokenizer.encode(answer_start, add_special_tokens=False)))
+    parser = plan.parser()
+    streamed = parser.push(answered.text)[0] + parser.finish()[0]
+    assert answered.complete and not parser.calls, answered.text
+    assert streamed == parser.content
+    jsonschema.validate(json.loads(parser.content), answer_schema)
+    called = drive(grammar, seed=4, prefix=tuple(smol_tokenizer.encode(call_start, add_special_tokens=False)))
+    parser = plan.parser()
+    parser.push(called.text)
+    parser.finish()
+    assert called.complete and parser.calls and not parser.content.strip(), called.text
+    jsonschema.validate(json.loads(parser.calls[0].arguments), arguments)
+
+
+def test_a_response_format_with_tools_only_shapes_auto_answers():
+    schema = {"type": "object"}
+    assert not plan_tools([tool("f")], "required", None, HERMES_TEMPLATE, schema).json_response
+    with pytest.raises(StructuredOutputError) as info:
+        plan_tools([tool("f")], "auto", None, LLAMA3_TEMPLATE, schema)
+    assert info.value.param == "response_format"
