@@ -30,6 +30,7 @@ from .response_store import ResponseStore
 from .routes import router
 from .security import ApiKeyAuth, BodySizeLimit
 from .serving import ModelState
+from .grammar import GrammarCompiler
 from .serving_chat import ChatServing
 from .serving_completions import CompletionServing
 from .serving_messages import MessagesServing
@@ -84,10 +85,14 @@ def _load(settings: Settings, on_worker_failure: Callable[[Worker], None]) -> Mo
              f" + a bfloat16 copy for prefill ({dense / 2**20:.0f} MiB)" if dense else "",
              runner.device, threads or torch.get_num_threads(), runner.context_size,
              ", deterministic steps" if runner.deterministic else "", time.perf_counter() - started)
+    grammars = GrammarCompiler(runner.tokenizer)
+    # The grammar engine's view of the vocabulary (0.3 s for 49k tokens, 2.4 s for 262k) is built beside serving,
+    # not on the first structured request; that request waits for it only if it comes first. No torch here.
+    threading.Thread(target=grammars.vocabulary, name="grammar-vocabulary", daemon=True).start()
     return ModelState(model_id=model_id, runner=runner, pool=pool, fingerprint=f"fp_{digest}",
                       created=int(time.time()), max_prompt_tokens=settings.max_prompt_tokens,
                       stream_timeout=settings.stream_timeout,
-                      parse_special_in_messages=settings.parse_special_in_messages)
+                      parse_special_in_messages=settings.parse_special_in_messages, grammars=grammars)
 
 
 async def _in_own_thread(fn: Callable[[], T]) -> T:

@@ -6,6 +6,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from .grammar import CompiledGrammar
 from .sampling import SamplingParams
 
 
@@ -72,6 +73,7 @@ class Generation:
     min_tokens: int = 0
     ignore_eos: bool = False
     prompt_logprobs: int | None = None  # top-N for echoed prompt tokens; None: not wanted
+    grammar: CompiledGrammar | None = None  # what every choice's output must match; None: free text
     request_id: str = ""
     prompt_index: int = 0               # which prompt of its request this is
     # Undelivered events past which the worker pauses this generation (a client that stops reading); None: never.

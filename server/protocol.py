@@ -93,12 +93,31 @@ class TextPart(BaseModel):
     text: Text
 
 
+class FunctionCall(BaseModel):
+    model_config = STRICT_ALLOW_EXTRA
+
+    name: Text
+    arguments: Text  # a JSON object, as text
+
+
+class ToolCall(BaseModel):
+    """A call an assistant message made (request history and responses alike)."""
+
+    model_config = STRICT_ALLOW_EXTRA
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = STRICT_ALLOW_EXTRA
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_call_id: Text | None = None          # tool messages: the call this is the result of
 
     @field_validator("content", mode="before")
     @classmethod
@@ -116,20 +135,83 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class ChatCompletionRequest(OpenAIRequest):
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+
+    name: Text | None = None
+    description: Text | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = STRICT_ALLOW_EXTRA
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: one constraint on the output."""
+
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+
+    json_: dict[str, Any] | bool | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = Field(None, min_length=1)
+    grammar: Text | None = None  # Lark, or GBNF/EBNF
+    json_object: bool | None = None
+
+
+class FunctionDefinition(BaseModel):
+    model_config = STRICT_ALLOW_EXTRA
+
+    name: Text = Field(..., pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of an object
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = STRICT_ALLOW_EXTRA
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = STRICT_ALLOW_EXTRA
+
+    name: Text
+
+
+class NamedToolChoice(BaseModel):
+    model_config = STRICT_ALLOW_EXTRA
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class StructuredRequest(OpenAIRequest):
+    """Output constraints, on chat and completions alike."""
+
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+
+class ChatCompletionRequest(StructuredRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict[str, Any]] | None = Field(None, description="tool calling is not supported: only with "
-                                                                 "tool_choice 'none'")
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = Field(None, description="only type 'text'")
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
 
 
-class CompletionRequest(OpenAIRequest):
+class CompletionRequest(StructuredRequest):
     prompt: Text | list[Text] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -182,6 +264,7 @@ class ChatLogprobs(BaseModel):
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -250,9 +333,22 @@ class DetokenizeResponse(BaseModel):
 
 # ---- streaming chunks: each `data:` event of an SSE response, as the serving layer writes them ----
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None       # in a call's first delta only
+    arguments: str | None = None  # a fragment: a call's fragments concatenate to its arguments
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None                       # in a call's first delta only
+    type: Literal["function"] | None = None     # in a call's first delta only
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -332,5 +428,6 @@ class HealthUnavailable(BaseModel):
 
 
 OpenAIRequest.model_rebuild()
+StructuredRequest.model_rebuild()
 ChatCompletionRequest.model_rebuild()
 CompletionRequest.model_rebuild()

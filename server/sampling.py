@@ -5,7 +5,8 @@ Order of processing, per row, on a float32 copy of the logits:
 1. `logit_bias` is added to the raw logits (vLLM's order: bias before penalties).
 2. Penalties: repetition (HF/vLLM: over prompt and generated tokens, a positive logit is divided by the
    penalty, any other multiplied), then frequency and presence (OpenAI: over generated tokens only,
-   `logit -= frequency * count + presence * (count > 0)`).
+   `logit -= frequency * count + presence * (count > 0)`). Then the grammar's mask (`allowed`, the constrained
+   rows only): the tokens it forbids are -inf.
 3. Greedy rows (temperature below `GREEDY_TEMPERATURE`, 1e-5 as in vLLM: dividing by less only amplifies
    rounding) take the argmax. The others go on:
 4. temperature → top-k → top-p → min-p → one inverse-CDF draw.
@@ -43,6 +44,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from .token_bitmask import apply_token_bitmask
 
 MAX_TOP_LOGPROBS = 20
 # Top-k/top-p look at the most likely candidates first: a full sort costs tens of milliseconds at a 262k
@@ -184,15 +187,22 @@ def _check(logits: torch.Tensor, samplers: Sequence[SequenceSampler]) -> None:
             raise ValueError(f"sampler vocab_size {s.vocab_size} does not match logits vocab {logits.shape[1]}")
 
 
-def _adjusted_logits(logits: torch.Tensor, samplers: Sequence[SequenceSampler]) -> torch.Tensor:
-    """The logits after logit_bias and penalties, made safe to sample from (see the module docstring); a copy."""
+# A packed token bitmask [R, words] (server.token_bitmask) and the R rows of the batch it constrains.
+AllowedTokens = tuple[torch.Tensor, Sequence[int]]
+
+
+def _adjusted_logits(logits: torch.Tensor, samplers: Sequence[SequenceSampler],
+                     allowed: AllowedTokens | None = None) -> torch.Tensor:
+    """The logits after logit_bias, penalties and the grammar's mask, made safe to sample from (see the module
+    docstring); a copy."""
     x = logits.float()
     biased = [(i, s) for i, s in enumerate(samplers) if s.bias_ids is not None]
     repeated = [(i, s) for i, s in enumerate(samplers) if s.params.repetition_penalty != 1]
     counted = [(i, s) for i, s in enumerate(samplers)
                if s.params.presence_penalty != 0 or s.params.frequency_penalty != 0]
     suppressed = [(i, s) for i, s in enumerate(samplers) if s.suppressed is not None]
-    if not (biased or repeated or counted or suppressed):
+    masked = allowed is not None and len(allowed[1]) > 0
+    if not (biased or repeated or counted or suppressed or masked):
         return _sampleable(x, own=x is not logits)
     x = x.clone() if x is logits else x
     dev = x.device
@@ -218,6 +228,8 @@ def _adjusted_logits(logits: torch.Tensor, samplers: Sequence[SequenceSampler]) 
             x.index_copy_(0, index, sub)
     for i, s in suppressed:
         x[i].index_fill_(0, s.suppressed, -math.inf)
+    if masked:
+        apply_token_bitmask(x, allowed[0], allowed[1])
     return _sampleable(x, own=True)
 
 
@@ -363,15 +375,17 @@ def _draw(x: torch.Tensor, params: Sequence[SamplingParams], u: torch.Tensor) ->
 
 
 @torch.no_grad()
-def sample_batch(logits: torch.Tensor, samplers: Sequence[SequenceSampler]) -> list[SampledToken]:
-    """One token per row of `logits` [B, vocab]; does not call observe (the caller does, once it keeps the token)."""
+def sample_batch(logits: torch.Tensor, samplers: Sequence[SequenceSampler],
+                 allowed: AllowedTokens | None = None) -> list[SampledToken]:
+    """One token per row of `logits` [B, vocab]; `allowed` masks the grammar-constrained rows. Does not call
+    observe (the caller does, once it keeps the token)."""
     _check(logits, samplers)
     if not samplers:
         return []
-    fast = _plain_greedy(logits, samplers)
+    fast = None if allowed is not None else _plain_greedy(logits, samplers)
     if fast is not None:
         return fast
-    x = _adjusted_logits(logits, samplers)
+    x = _adjusted_logits(logits, samplers, allowed)
     greedy = [i for i, s in enumerate(samplers) if s.params.is_greedy()]
     sampled = [i for i, s in enumerate(samplers) if not s.params.is_greedy()]
     tokens = torch.empty(len(samplers), dtype=torch.long, device=x.device)
@@ -404,10 +418,11 @@ def _plain_greedy(logits: torch.Tensor, samplers: Sequence[SequenceSampler]) -> 
 
 
 @torch.no_grad()
-def sampling_probs(logits: torch.Tensor, samplers: Sequence[SequenceSampler]) -> torch.Tensor:
+def sampling_probs(logits: torch.Tensor, samplers: Sequence[SequenceSampler],
+                   allowed: AllowedTokens | None = None) -> torch.Tensor:
     """The distribution [B, vocab] each row's next token is drawn from (one-hot for greedy rows); for tests."""
     _check(logits, samplers)
-    x = _adjusted_logits(logits, samplers)
+    x = _adjusted_logits(logits, samplers, allowed)
     probs = torch.zeros_like(x)
     greedy = [i for i, s in enumerate(samplers) if s.params.is_greedy()]
     sampled = [i for i, s in enumerate(samplers) if not s.params.is_greedy()]

@@ -24,8 +24,10 @@ from engine.errors import RowError
 
 from .generation import ChoiceDelta, EventBatch, Generation, GenerationDone, GenerationFailed, PromptLogprobs, \
     TokenLogprob
+from .grammar import GrammarMatcher, fill_bitmasks
 from .sampling import SequenceSampler, sample_batch
-from .stopping import StopChecker
+from .stopping import StopChecker, StopUpdate
+from .token_bitmask import allocate_bitmask
 
 log = logging.getLogger("emberserve.scheduler")
 
@@ -39,6 +41,9 @@ class Unit:
     choice: int | None = None
     sampler: SequenceSampler | None = None
     stopper: StopChecker | None = None
+    # The choice's place in its grammar (gen.grammar); it moves with the unit through preemption, which keeps
+    # the generated tokens too.
+    matcher: GrammarMatcher | None = None
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
     @property
@@ -302,7 +307,8 @@ class Scheduler:
             stopper = StopChecker(self.runner.tokenizer.detokenizer(skip_special_tokens=True), stop=gen.stop,
                                   stop_token_ids=gen.stop_token_ids, max_tokens=gen.max_tokens,
                                   min_tokens=gen.min_tokens, ignore_eos=gen.ignore_eos)
-            choices.append(Unit(gen, kv, index, sampler, stopper))
+            matcher = gen.grammar.matcher() if gen.grammar is not None else None
+            choices.append(Unit(gen, kv, index, sampler, stopper, matcher))
         state.open_choices = gen.n
         position = self.running.index(unit)
         self.running[position:position + 1] = choices
@@ -345,9 +351,19 @@ class Scheduler:
         # The common step (every row a decode row's next token, in order) samples the logits as they are.
         rows = logits if index == list(range(len(logits))) else \
             logits.index_select(0, torch.tensor(index, device=logits.device))
-        sampled = sample_batch(rows, [u.sampler for u in todo])
+        sampled = sample_batch(rows, [u.sampler for u in todo], self._grammar_masks(todo))
         for unit, s in zip(todo, sampled):
-            self._advance(unit, s.token, s.logprob, s.top_logprobs)
+            if unit.gen in self._gens:  # not failed by a choice before it
+                self._advance(unit, s.token, s.logprob, s.top_logprobs)
+
+    def _grammar_masks(self, units: list[Unit]) -> tuple[torch.Tensor, list[int]] | None:
+        """The token bitmask of the grammar-constrained rows among `units`, and their positions."""
+        rows = [i for i, u in enumerate(units) if u.matcher is not None]
+        if not rows:
+            return None
+        bitmask = allocate_bitmask(len(rows), self.runner.vocab_size)
+        fill_bitmasks([units[i].matcher for i in rows], bitmask)
+        return bitmask, rows
 
     def _end_ids(self, gen: Generation) -> torch.Tensor | None:
         ids = sorted(gen.stop_token_ids)
@@ -358,6 +374,14 @@ class Scheduler:
         unit.sampler.observe(token)
         self.generated_tokens += 1
         update = unit.stopper.push(token)
+        if update.finish_reason is None and unit.matcher is not None:
+            if not unit.matcher.advance(token):  # the mask allowed it: a grammar engine failure
+                log.error("%s: the grammar refused token %d: %s", gen.request_id, token, unit.matcher.error)
+                self.fail([gen], 500, "the output's grammar failed")
+                return
+            if unit.matcher.is_stopped:  # the output is complete: nothing but an end token could follow
+                end = unit.stopper.end()
+                update = StopUpdate(update.text + end.text, end.finish_reason)
         logprobs = [TokenLogprob(token, logprob, top or [])] if gen.params.logprobs else None
         self.events.emit(gen, ChoiceDelta(unit.choice, update.text, [token], logprobs, update.finish_reason,
                                            update.stop_reason))

@@ -9,11 +9,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
+from starlette.concurrency import run_in_threadpool
 
 from engine import Runner
 
 from .errors import APIError, invalid
 from .generation import Event, Generation, GenerationDone, GenerationFailed
+from .grammar import CompiledGrammar, GrammarCompiler, GrammarSpec, StructuredOutputError
 from .metrics import ServerMetrics
 from .protocol import OpenAIRequest, TopLogprob, Usage
 from .request_context import current_request
@@ -40,6 +42,7 @@ class ModelState:
     max_prompt_tokens: int | None = None  # the operator's cap on prompt length, below the context
     stream_timeout: float | None = None   # seconds a stream waits for a client that stopped reading, then is cut
     parse_special_in_messages: bool = False  # trusted callers: special-token text in messages is control tokens
+    grammars: GrammarCompiler | None = None  # compiled output grammars (structured outputs, tool calls), cached
 
 
 def check_model(state: ModelState, name: str) -> None:
@@ -115,6 +118,18 @@ class OpenAIServing:
         check_token_ids(bias, self.runner.vocab_size, "logit_bias")
         return bias
 
+    async def compile_grammar(self, spec: GrammarSpec | None) -> CompiledGrammar | None:
+        """The compiled grammar of a request's output constraint (off the event loop); 400 naming the field when
+        it cannot be used."""
+        if spec is None:
+            return None
+        if self.state.grammars is None:
+            self.state.grammars = GrammarCompiler(self.tokenizer)
+        try:
+            return await run_in_threadpool(self.state.grammars.compile, spec)
+        except StructuredOutputError as e:
+            raise invalid(e.message, param=e.param) from None
+
     def max_tokens(self, prompt_len: int, requested: int | None) -> int:
         """The completion budget, checked against the context: 400 with the numbers when it does not fit."""
         context = self.runner.context_size
@@ -133,7 +148,8 @@ class OpenAIServing:
 
     def new_generation(self, req: OpenAIRequest, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
                        rid: str, arrival: float, prompt_logprobs: int | None = None, *, index: int = 0,
-                       channel: asyncio.Queue[Any] | None = None) -> Generation:
+                       channel: asyncio.Queue[Any] | None = None,
+                       grammar: CompiledGrammar | None = None) -> Generation:
         """The Generation for one prompt of `req`; the prompts of one request share `channel` (see `events`)."""
         param = "messages" if hasattr(req, "messages") else "prompt"
         if not prompt_ids:
@@ -149,7 +165,7 @@ class OpenAIServing:
         return Generation(prompt_ids=prompt_ids, params=params, max_tokens=max_tokens, n=req.n, stop=req.stop,
                           stop_token_ids=self.tokenizer.end_token_ids, min_tokens=req.min_tokens,
                           ignore_eos=req.ignore_eos, prompt_logprobs=prompt_logprobs, request_id=rid,
-                          prompt_index=index, arrival=arrival,
+                          prompt_index=index, arrival=arrival, grammar=grammar,
                           max_backlog=STREAM_BACKLOG_PER_CHOICE * req.n if req.stream else None, **extra)
 
     def submit(self, gens: list[Generation]) -> None:

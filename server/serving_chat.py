@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: messages → chat template → Generation → a chat.completion or its SSE chunks."""
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -12,22 +13,49 @@ from starlette.concurrency import run_in_threadpool
 
 from .errors import APIError, invalid
 from .generation import ChoiceDelta, Generation, GenerationDone, TokenLogprob
+from .grammar import StructuredOutputError
 from .protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatMessage,
-                       ResponseMessage, TokenLogprob as TokenLogprobModel)
+                       FunctionCall, ResponseMessage, TokenLogprob as TokenLogprobModel, ToolCall)
 from .serving import ModelState, OpenAIServing, cancel, request_id
 from .sse import DONE, event_json, sse_response
+from .structured_outputs import output_grammar
+from .tool_calls import ToolPlan, plan_tools, template_messages, tool_format
+from .tool_parser import ToolCallDelta, ToolCallParser
 
 
-def chat_prompt_ids(state: ModelState, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-    """The prompt ids of a chat: the model's chat template over `messages`, whose text stays text unless the server
-    trusts its callers (`parse_special_in_messages`); a template that rejects the messages is a 400."""
-    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+def chat_prompt_ids(state: ModelState, messages: list[ChatMessage], add_generation_prompt: bool,
+                    tools: ToolPlan | None = None) -> list[int]:
+    """The prompt ids of a chat: the model's chat template over `messages` (and the tools, in the template's call
+    format), whose text stays text unless the server trusts its callers (`parse_special_in_messages`); a template
+    that rejects the messages is a 400."""
+    tokenizer = state.runner.tokenizer
     try:
-        return state.runner.tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt,
-            parse_special_in_messages=state.parse_special_in_messages)
+        conversation, variables = template_messages(messages, tool_format(tokenizer.chat_template), tools)
+        return tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                             parse_special_in_messages=state.parse_special_in_messages, **variables)
+    except StructuredOutputError as e:
+        raise invalid(e.message, param=e.param) from None
     except (TemplateError, ValueError, TypeError) as e:
         raise invalid(f"the model's chat template rejected the messages: {e}", param="messages") from None
+
+
+def finish_reason(reason: str | None, parser: ToolCallParser | None) -> str | None:
+    """A choice that ended after making calls (rather than by length) finishes with "tool_calls"."""
+    return "tool_calls" if reason == "stop" and parser is not None and parser.calls else reason
+
+
+def tool_call_deltas(deltas: list[ToolCallDelta]) -> list[dict[str, Any]]:
+    """OpenAI's `delta.tool_calls`: id, type and name in a call's first delta, argument fragments after."""
+    out = []
+    for d in deltas:
+        entry: dict[str, Any] = {"index": d.index}
+        function: dict[str, Any] = {"arguments": d.arguments}
+        if d.id is not None:
+            entry.update(id=d.id, type="function")
+            function["name"] = d.name
+        entry["function"] = function
+        out.append(entry)
+    return out
 
 
 class ChatServing(OpenAIServing):
@@ -37,27 +65,36 @@ class ChatServing(OpenAIServing):
         arrival = time.perf_counter()
         self.check_model(req.model)
         self.log_unknown_fields(req)
-        if req.tools and req.tool_choice != "none":
-            raise invalid("tool calling is not supported by this server", param="tools")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise invalid("only response_format type 'text' is supported", param="response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise invalid("top_logprobs requires logprobs to be true", param="top_logprobs")
-        ids = await run_in_threadpool(self._render, req)
+        try:
+            spec = output_grammar(req.response_format, req.structured_outputs)
+            response = None
+            if spec is not None and req.tools and req.tool_choice != "none":
+                if spec.kind != "json_schema":
+                    raise StructuredOutputError("with tools, only a JSON response_format can shape the answer",
+                                                spec.param)
+                response = json.loads(spec.source)
+            tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tokenizer.chat_template,
+                               response)
+        except StructuredOutputError as e:
+            raise invalid(e.message, param=e.param) from None
+        if tools is not None and tools.grammar is not None:
+            spec = tools.grammar  # the calls' grammar, with the response_format's answer in it
+        grammar = await self.compile_grammar(spec)
+        ids = await run_in_threadpool(chat_prompt_ids, self.state, req.messages, req.add_generation_prompt, tools)
         budget = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self.max_tokens(len(ids), budget)
         params = self.sampling_params(req, req.logprobs, req.top_logprobs or 0)
         rid = request_id("chatcmpl")
-        gen = self.new_generation(req, ids, params, max_tokens, rid, arrival)
+        gen = self.new_generation(req, ids, params, max_tokens, rid, arrival, grammar=grammar)
         self.submit([gen])
+        calls = tools if tools is not None and tools.parses_calls else None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return sse_response(self._stream(gen, req.model, include_usage), on_close=lambda: cancel([gen]),
+            return sse_response(self._stream(gen, req.model, include_usage, calls), on_close=lambda: cancel([gen]),
                                 send_timeout=self.state.stream_timeout)
-        return await self._complete(gen, req, request)
-
-    def _render(self, req: ChatCompletionRequest) -> list[int]:
-        return chat_prompt_ids(self.state, req.messages, req.add_generation_prompt)
+        return await self._complete(gen, req, request, calls)
 
     def _logprobs(self, entries: list[TokenLogprob]) -> list[TokenLogprobModel]:
         out = []
@@ -67,7 +104,8 @@ class ChatServing(OpenAIServing):
             out.append(TokenLogprobModel(token=base.token, logprob=base.logprob, bytes=base.bytes, top_logprobs=top))
         return out
 
-    async def _complete(self, gen: Generation, req: ChatCompletionRequest, request: Request) -> ChatCompletionResponse:
+    async def _complete(self, gen: Generation, req: ChatCompletionRequest, request: Request,
+                        tools: ToolPlan | None) -> ChatCompletionResponse:
         texts = [""] * gen.n
         finish: list[str | None] = [None] * gen.n
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(gen.n)]
@@ -82,13 +120,31 @@ class ChatServing(OpenAIServing):
                     usage = self.usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
         if usage is None:  # the client went away; nobody reads this
             raise APIError(499, "client closed request")
-        choices = [ChatChoice(index=i, message=ResponseMessage(content=texts[i]), finish_reason=finish[i],
+        choices = [ChatChoice(index=i, message=self._message(texts[i], tools), finish_reason=finish[i],
                               logprobs=ChatLogprobs(content=self._logprobs(logprobs[i])) if req.logprobs else None)
                    for i in range(gen.n)]
+        if tools is not None:
+            for choice in choices:
+                if choice.message.tool_calls and choice.finish_reason == "stop":
+                    choice.finish_reason = "tool_calls"
         return ChatCompletionResponse(id=gen.request_id, model=req.model, choices=choices, usage=usage,
                                       system_fingerprint=self.state.fingerprint)
 
-    async def _stream(self, gen: Generation, model: str, include_usage: bool) -> AsyncIterator[str]:
+    @staticmethod
+    def _message(text: str, tools: ToolPlan | None) -> ResponseMessage:
+        """A choice's message: its text, or with tools the calls it made and the text around them (content null
+        when there is only a call)."""
+        if tools is None:
+            return ResponseMessage(content=text)
+        parser = tools.parser()
+        parser.push(text)
+        parser.finish()
+        calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in parser.calls]
+        content = parser.content if parser.content.strip() or not calls else None
+        return ResponseMessage(content=content, tool_calls=calls or None)
+
+    async def _stream(self, gen: Generation, model: str, include_usage: bool,
+                      tools: ToolPlan | None = None) -> AsyncIterator[str]:
         created = int(time.time())
         want_logprobs = gen.params.logprobs
 
@@ -110,16 +166,28 @@ class ChatServing(OpenAIServing):
         # anything is sent, so a reader that falls behind sends one chunk per choice for several tokens.
         texts, pending = [""] * gen.n, [[] for _ in range(gen.n)]
         finish: list[str | None] = [None] * gen.n
+        parsers = [tools.parser() if tools is not None else None for _ in range(gen.n)]
         usage = None
 
         def flush() -> list[str]:
             out = []
             for i in range(gen.n):
-                if texts[i]:
-                    out.append(chunk([choice(i, {"content": texts[i]}, pending[i])]))
+                parser, calls = parsers[i], []
+                if parser is not None:  # the text as content and tool-call deltas
+                    content, deltas = parser.push(texts[i])
+                    if finish[i] is not None:
+                        tail, more = parser.finish()
+                        content, deltas = content + tail, deltas + more
+                    texts[i], calls = content, tool_call_deltas(deltas)
+                if texts[i] or calls:
+                    delta = {"content": texts[i]} if texts[i] else {}
+                    if calls:
+                        delta["tool_calls"] = calls
+                    out.append(chunk([choice(i, delta, pending[i])]))
                     texts[i], pending[i] = "", []
                 if finish[i] is not None:
-                    out.append(chunk([choice(i, {}, pending[i] if pending[i] else None, finish[i])]))
+                    reason = finish_reason(finish[i], parser)
+                    out.append(chunk([choice(i, {}, pending[i] if pending[i] else None, reason)]))
                     finish[i], pending[i] = None, []
             if usage is not None:
                 out.append(chunk([], usage, last=True))

@@ -13,9 +13,11 @@ from starlette.concurrency import run_in_threadpool
 
 from .errors import APIError, invalid
 from .generation import ChoiceDelta, Generation, GenerationDone, PromptLogprobs, TokenLogprob
+from .grammar import StructuredOutputError
 from .protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from .serving import OpenAIServing, cancel, check_token_ids, reported_logprob, request_id
 from .sse import DONE, event_json, sse_response
+from .structured_outputs import output_grammar
 
 
 @dataclass
@@ -63,6 +65,11 @@ class CompletionServing(OpenAIServing):
             raise invalid("suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise invalid("best_of is not supported (only best_of == n)", param="best_of")
+        try:
+            spec = output_grammar(req.response_format, req.structured_outputs)
+        except StructuredOutputError as e:
+            raise invalid(e.message, param=e.param) from None
+        grammar = await self.compile_grammar(spec)
         prompts = await run_in_threadpool(self._prompts, req)
         top_n = req.logprobs
         params = self.sampling_params(req, top_n is not None, top_n or 0)
@@ -70,7 +77,7 @@ class CompletionServing(OpenAIServing):
         channel: asyncio.Queue[Any] = asyncio.Queue()  # every prompt's events, as they come
         gens = [self.new_generation(req, p.ids, params, self.max_tokens(len(p.ids), req.max_tokens), rid, arrival,
                                     prompt_logprobs=top_n if req.echo and top_n is not None else None,
-                                    index=i, channel=channel)
+                                    index=i, channel=channel, grammar=grammar)
                 for i, p in enumerate(prompts)]
         self.submit(gens)
         if req.stream:

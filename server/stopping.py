@@ -141,6 +141,12 @@ class StopChecker:
             return self._advance(new + self._detokenizer.flush(), active, finish=("length", None))
         return self._advance(new, active, finish=None)
 
+    def end(self) -> StopUpdate:
+        """Finish now with "stop" (the output's grammar is complete): what was held back is sent."""
+        if self._finished:
+            raise RuntimeError("StopChecker.end after the choice finished")
+        return self._send(self._held + self._detokenizer.flush(), ("stop", None))
+
     def _advance(self, new: str, active: bool, finish: tuple[str, int | None] | None) -> StopUpdate:
         """Read `new`; stop at the first stop string it completes (if `active`), else finish as `finish` says."""
         automaton = self._automaton

@@ -330,3 +330,49 @@ def test_echo_logprobs_cover_every_prompt_token_whatever_the_chunking(tiny_path:
                 assert [t for t, _ in entry.top] == top.indices.tolist()
 
     asyncio.run(main())
+
+
+# ---------------------------------------------------------------------------------------------------
+# grammar-constrained choices (issue 14): the mask holds on every constrained row of a mixed batch, through
+# forks and preemption, and the other rows are untouched
+
+
+@pytest.mark.parametrize("variant", ["llama_tied", "llama3_scaled", "qwen2", "qwen3", "gemma3"])
+def test_grammar_rows_of_a_mixed_batch_match_and_the_rest_are_untouched(tmp_path: Path, variant: str) -> None:
+    import re
+
+    import tiny_models
+
+    from server.grammar import GrammarCompiler, GrammarSpec
+
+    path = tiny_models.build_tiny_model(variant, tmp_path).gguf_path
+    base = load_runner(path, dtype="float32")
+    per_token = kv_bytes_per_token(base.config, base.dtype)
+    free_prompts = [PROMPTS[0][:18], PROMPTS[3][:18]]
+    alone = [_run(base, [p])[0][0] for p in free_prompts]
+    regex = r"[a-e]{2,5}( [a-e]{2,5}){0,3}"
+
+    async def main():
+        runner = load_runner(path, dtype="float32", kv_cache_memory=per_token * 16 * 6, prefix_caching=False)
+        grammar = GrammarCompiler(runner.tokenizer).compile(GrammarSpec("regex", regex))
+        sched = Scheduler(runner, max_batched_tokens=64, max_running=32)
+        constrained = [Generation(prompt_ids=PROMPTS[i][:18], params=SamplingParams(temperature=1.0, seed=i),
+                                  max_tokens=40, n=2, grammar=grammar, stop_token_ids=runner.tokenizer.end_token_ids)
+                       for i in (1, 2)]
+        free = [_greedy(p) for p in free_prompts]
+        for gen in [constrained[0], free[0], constrained[1], free[1]]:
+            sched.add(gen)
+        _drive(sched)
+        await asyncio.sleep(0)
+        for gen in constrained:
+            events = _events(gen)
+            assert isinstance(events[-1], GenerationDone)
+            for index in range(2):
+                deltas = [e for e in events if isinstance(e, ChoiceDelta) and e.index == index]
+                text = "".join(e.text for e in deltas)
+                assert deltas[-1].finish_reason == "stop" and re.fullmatch(regex, text), text
+        assert [_choices(_events(g), 1)[0] for g in free] == alone
+        assert sched.preemptions > 0
+        assert runner.blocks.num_used == 0
+
+    asyncio.run(main())

@@ -389,3 +389,15 @@ def test_any_text_split_anyhow_streams_the_reference_and_never_leaks_a_stop_stri
     assert all(final.startswith("".join(sent[:k])) for k in range(len(sent)))
     if case["min_tokens"] == 0:  # else a stop string completed within the first min_tokens tokens is plain text
         assert not any(s and s in final for s in case["stop"])
+
+
+def test_end_sends_what_was_held_back_and_stops() -> None:
+    """A grammar that is complete ends the choice at once: the text held back as a possible stop string start,
+    and the detokenizer's pending bytes, go out with finish "stop"."""
+    checker, _, ids = scripted('{"a": "x', '"}', tail="!", stop=['"}\n'])
+    assert checker.push(ids[0]).text == '{"a": "x'
+    assert checker.push(ids[1]) == StopUpdate("", None)  # '"}' may start the stop string
+    assert checker.end() == StopUpdate('"}!', "stop")
+    assert checker.finished and checker.text == '{"a": "x"}!'
+    with pytest.raises(RuntimeError):
+        checker.end()
