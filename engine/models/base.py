@@ -62,8 +62,9 @@ class DecoderModel(nn.Module):
             self.__dict__["_scripted"] = _script(self._stack) or False
         return self._scripted or self._stack
 
-    def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
-        """Float32 logits [R, vocab] at the batch's `logit_index` positions."""
+    def forward(self, batch: ForwardBatch, cache: PagedKVCache, hidden_states: bool = False) -> torch.Tensor:
+        """Float32 logits [R, vocab] at the batch's `logit_index` positions; with `hidden_states`, the final norm's
+        output [R, hidden] there instead (what embeddings pool), in the compute dtype."""
         x = self.embed_tokens(batch.ids)
         if self.cfg.embed_scale != 1.0:
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
@@ -75,6 +76,8 @@ class DecoderModel(nn.Module):
             scriptable = x.is_cpu and batch.block_tables is None and batch.paged_prefill is None
             x = self.stack(scriptable)(x, batch, rope, cache.keys, cache.values)
         x = self.norm(x.index_select(0, batch.logit_index))
+        if hidden_states:
+            return x
         logits = self.lm_head(x, x.shape[0], batch.deterministic).float()
         if self.cfg.final_logit_softcap:
             cap = self.cfg.final_logit_softcap
