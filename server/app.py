@@ -30,6 +30,7 @@ from .security import ApiKeyAuth, BodySizeLimit
 from .serving import ModelState
 from .serving_chat import ChatServing
 from .serving_completions import CompletionServing
+from .serving_embeddings import EmbeddingServing
 from .settings import Settings, device_default
 from .worker import Worker, WorkerPool
 
@@ -59,11 +60,14 @@ def _load(settings: Settings, on_worker_failure: Callable[[Worker], None]) -> Mo
                              prefix_caching=settings.prefix_caching, progress=progress,
                              dense_prefill=settings.dense_prefill, deterministic=settings.deterministic)
         blocks = runner.blocks
-        log.info("worker %d: %s on %s; KV cache: %d blocks = %d tokens (%.0f MiB %s), prefix caching %s", i,
-                 runner.name, runner.device, blocks.num_blocks, blocks.num_blocks * blocks.block_size,
-                 runner.cache.nbytes() / 2**20, str(runner.dtype).removeprefix("torch."),
-                 "on" if blocks.prefix_caching else "off")
-        if runner.device.type == "cuda" and settings.cuda_graphs:
+        if blocks is None:
+            log.info("worker %d: %s on %s; an encoder: embeddings only, no KV cache", i, runner.name, runner.device)
+        else:
+            log.info("worker %d: %s on %s; KV cache: %d blocks = %d tokens (%.0f MiB %s), prefix caching %s", i,
+                     runner.name, runner.device, blocks.num_blocks, blocks.num_blocks * blocks.block_size,
+                     runner.cache.nbytes() / 2**20, str(runner.dtype).removeprefix("torch."),
+                     "on" if blocks.prefix_caching else "off")
+        if runner.device.type == "cuda" and settings.cuda_graphs and not runner.is_encoder:
             runner.capture_cuda_graphs(max_running)
         workers.append(Worker(runner, f"worker-{i}", max_batched_tokens=max_batched_tokens,
                               max_running=max_running, threads=threads, on_failure=on_worker_failure))
@@ -83,7 +87,8 @@ def _load(settings: Settings, on_worker_failure: Callable[[Worker], None]) -> Mo
     return ModelState(model_id=model_id, runner=runner, pool=pool, fingerprint=f"fp_{digest}",
                       created=int(time.time()), max_prompt_tokens=settings.max_prompt_tokens,
                       stream_timeout=settings.stream_timeout,
-                      parse_special_in_messages=settings.parse_special_in_messages)
+                      parse_special_in_messages=settings.parse_special_in_messages,
+                      embeddings=settings.embeddings or runner.is_encoder, pooling=settings.pooling)
 
 
 async def _in_own_thread(fn: Callable[[], T]) -> T:
@@ -133,6 +138,7 @@ async def _load_in_background(app: FastAPI, settings: Settings) -> None:
     app.state.model = state
     app.state.chat = ChatServing(state, app.state.metrics)
     app.state.completions = CompletionServing(state, app.state.metrics)
+    app.state.embeddings = EmbeddingServing(state, app.state.metrics)
     log.info("serving %s at http://%s:%d/v1%s", state.model_id, settings.host, settings.port,
              " (API key required)" if settings.api_key else "")
 

@@ -10,11 +10,12 @@ from starlette.concurrency import run_in_threadpool
 from .errors import APIError, invalid
 from .openapi import PROMETHEUS_TEXT, RETRY_AFTER, errors
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-                       DetokenizeRequest, DetokenizeResponse, Health, HealthUnavailable, Liveness, ModelCard,
-                       ModelList, TokenizeRequest, TokenizeResponse)
+                       DetokenizeRequest, DetokenizeResponse, EmbeddingRequest, EmbeddingResponse, Health,
+                       HealthUnavailable, Liveness, ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
 from .serving import ModelState, check_model, check_token_ids
 from .serving_chat import ChatServing, chat_prompt_ids
 from .serving_completions import CompletionServing
+from .serving_embeddings import EmbeddingServing
 
 router = APIRouter()
 LOADING_RETRY_AFTER_S = "5"
@@ -107,6 +108,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 async def completions(body: CompletionRequest, request: Request) -> Any:
     _state(request)
     serving: CompletionServing = request.app.state.completions
+    return await serving.create(body, request)
+
+
+@router.post("/v1/embeddings", response_model=None,
+             responses={200: {"model": EmbeddingResponse}, **_GENERATION_ERRORS})
+async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
+    _state(request)
+    serving: EmbeddingServing = request.app.state.embeddings
     return await serving.create(body, request)
 
 

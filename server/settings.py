@@ -73,6 +73,12 @@ class Settings(BaseSettings):
     prefix_caching: bool = Field(True, description="reuse the KV cache of prompt prefixes seen before")
     max_prompt_tokens: PositiveInt | None = Field(
         None, description="longest prompt accepted, in tokens (default: the context size); longer ones get a 400")
+    embeddings: bool = Field(
+        False, description="also serve POST /v1/embeddings from a decoder model (an encoder model such as "
+                           "all-minilm-l6-v2 serves embeddings only, with or without it)")
+    pooling: Literal["last", "mean"] | None = Field(
+        None, description="how embeddings pool the hidden states: the last token's or the mean of all (default: the "
+                          "model's sentence-transformers config for an encoder, last for a decoder)")
     parse_special_in_messages: bool = Field(
         False, description="trusted callers only: special-token text inside chat messages (say a user's own "
                            "end-of-turn marker) becomes control tokens, as in llama-server and vLLM; off, only the "
@@ -115,7 +121,7 @@ class Settings(BaseSettings):
                              "enableServiceLinks: false on the pod, or EMBERSERVE_PORT explicitly")
         return value
 
-    @field_validator("dtype", "quant", "log_level", "log_format", mode="before")
+    @field_validator("dtype", "quant", "pooling", "log_level", "log_format", mode="before")
     @classmethod
     def _lower(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value
