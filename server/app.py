@@ -52,7 +52,6 @@ def _load(settings: Settings, on_worker_failure: Callable[[Worker], None]) -> Mo
     # CPU workers share the cores: more OpenMP threads than cores make every one of them sleep at its barriers.
     threads = max(1, torch.get_num_threads() // settings.workers) if settings.device == "cpu" else None
     max_running = device_default(settings, "max_running")
-    max_batched_tokens = device_default(settings, "max_batched_tokens")
     for i in range(settings.workers):
         runner = load_runner(settings.model, device=_worker_device(settings, i), dtype=settings.dtype,
                              quant=settings.quant,
@@ -69,6 +68,7 @@ def _load(settings: Settings, on_worker_failure: Callable[[Worker], None]) -> Mo
                      "on" if blocks.prefix_caching else "off")
         if runner.device.type == "cuda" and settings.cuda_graphs and not runner.is_encoder:
             runner.capture_cuda_graphs(max_running)
+        max_batched_tokens = device_default(settings, "max_batched_tokens", encoder=runner.is_encoder)
         workers.append(Worker(runner, f"worker-{i}", max_batched_tokens=max_batched_tokens,
                               max_running=max_running, threads=threads, on_failure=on_worker_failure))
     pool = WorkerPool(workers, settings.max_queued)

@@ -58,7 +58,7 @@ class Settings(BaseSettings):
         None, description="sequences decoding together in one batch (default: 32 on CPU, 256 on a GPU)")
     max_batched_tokens: PositiveInt | None = Field(
         None, description="tokens per forward pass; longer prompts are prefilled in chunks (default: 512 on CPU, "
-                          "8192 on a GPU)")
+                          "8192 on a GPU or for an encoder model, which has no decoding to keep flowing)")
     cuda_graphs: bool = Field(
         True, description="on a GPU, run decode steps as CUDA graphs captured at start-up per batch-size bucket")
     dense_prefill: bool = Field(
@@ -129,13 +129,18 @@ class Settings(BaseSettings):
 
 CPU_DEFAULTS = {"max_running": 32, "max_batched_tokens": 512}
 GPU_DEFAULTS = {"max_running": 256, "max_batched_tokens": 8192}
+# An encoder only embeds: its steps need not stay short for decoding streams, and a batch split into small steps
+# pays each step's fixed costs again (a request of 64 sentences: 4 steps instead of 1 under the CPU default).
+ENCODER_DEFAULTS = {"max_batched_tokens": 8192}
 
 
-def device_default(settings: Settings, name: str) -> int:
-    """A setting's value, or its default for the settings' device when it was left out."""
+def device_default(settings: Settings, name: str, encoder: bool = False) -> int:
+    """A setting's value, or its default for the settings' device (and an encoder model) when it was left out."""
     value = getattr(settings, name)
     if value is not None:
         return value
+    if encoder and name in ENCODER_DEFAULTS:
+        return ENCODER_DEFAULTS[name]
     return (CPU_DEFAULTS if settings.device == "cpu" else GPU_DEFAULTS)[name]
 
 

@@ -61,12 +61,13 @@ class BertLayer(nn.Module):
         self.output_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
         self.gelu_approximate = "tanh" if cfg.hidden_act == "gelu_tanh" else "none"
 
-    def attention(self, x: Tensor, batch: PackedSentences) -> Tensor:
-        """x [N, hidden] → [N, hidden]: every token attends to every token of its own sentence."""
+    def attention(self, x: Tensor, batch: PackedSentences, padded: Tensor | None) -> Tensor:
+        """x [N, hidden] → [N, hidden]: every token attends to every token of its own sentence. `padded`: a
+        [B * T, 3 * hidden] buffer whose padding rows are zeros (None when there is no padding)."""
         b, t, h, d = len(batch.lengths), batch.longest, self.num_heads, self.head_dim
         qkv = self.qkv_proj(x.to(self.matmul_dtype)).to(x.dtype)
-        if batch.pad_index is not None:
-            qkv = qkv.new_zeros(b * t, qkv.shape[1]).index_copy_(0, batch.pad_index, qkv)
+        if padded is not None:  # only the real rows are written: the padding stays zeros, finite keys and values
+            qkv = padded.index_copy_(0, batch.pad_index, qkv)
         q, k, v = qkv.view(b, t, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)  # each [B, heads, T, d]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.key_mask)
         out = out.transpose(1, 2).reshape(b * t, h * d)
@@ -74,8 +75,8 @@ class BertLayer(nn.Module):
             out = out.index_select(0, batch.pad_index)
         return self.o_proj(out.to(self.matmul_dtype)).to(x.dtype)
 
-    def forward(self, x: Tensor, batch: PackedSentences) -> Tensor:
-        x = self.attention_norm(x + self.attention(x, batch))
+    def forward(self, x: Tensor, batch: PackedSentences, padded: Tensor | None = None) -> Tensor:
+        x = self.attention_norm(x + self.attention(x, batch, padded))
         up = self.up_proj(x.to(self.matmul_dtype))
         mlp = self.down_proj(F.gelu(up, approximate=self.gelu_approximate)).to(x.dtype)
         return self.output_norm(x + mlp)
@@ -103,8 +104,11 @@ class BertEncoder(nn.Module):
         # Every token is of type 0: one sentence per input (pairs are for cross-encoders).
         x = self.embed_tokens(batch.ids) + self.embed_positions(batch.positions) + self.embed_types.weight[0]
         x = self.embed_norm(x)
+        padded = None
+        if batch.pad_index is not None:  # one buffer for every layer's padded q, k, v
+            padded = x.new_zeros(len(batch.lengths) * batch.longest, 3 * self.cfg.hidden_size)
         for layer in self.layers:
-            x = layer(x, batch)
+            x = layer(x, batch, padded)
         return x
 
 
