@@ -102,19 +102,23 @@ class EmbeddingSteps:
         of one pooling (the oldest job's)."""
         picked: list[tuple[_Progress, list[list[int]]]] = []
         lengths: list[int] = []
+        tokens = 0
         pooling = self.pending[0].job.pooling
         for progress in self.pending:
             if progress.job.pooling != pooling:
                 break
             taken: list[list[int]] = []
             for ids in progress.job.inputs[progress.done:]:
-                if lengths and (sum(lengths) + len(ids) > self.max_batched_tokens
-                                or not self.runner.embedding_fits([*lengths, len(ids)])):
+                if lengths and tokens + len(ids) > self.max_batched_tokens:
                     break
-                if not lengths and not self.runner.embedding_fits([len(ids)]):
-                    return []
-                taken.append(ids)
                 lengths.append(len(ids))
+                if not self.runner.embedding_fits(lengths):
+                    lengths.pop()
+                    if not lengths:
+                        return []
+                    break
+                taken.append(ids)
+                tokens += len(ids)
             if taken:
                 picked.append((progress, taken))
             if len(taken) < len(progress.job.inputs) - progress.done:
