@@ -1,5 +1,6 @@
 """POST /v1/embeddings on real servers through the official openai client: all-MiniLM-L6-v2 served on its own, and
-SmolLM2 started with --embeddings (last-token and mean pooling), each against the engine in this process."""
+SmolLM2 started with --embeddings (the suite's server, last-token pooling; and one with mean pooling), each against
+the engine in this process. (A decoder without --embeddings refusing: tests/server/test_serving_embeddings.py.)"""
 from __future__ import annotations
 
 import base64
@@ -147,9 +148,12 @@ def _engine_reference(runner, text: str, pooling: str) -> np.ndarray:
 
 @pytest.fixture(scope="module", params=["last", "mean"])
 def decoder_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    srv = start_server(tmp_path_factory.mktemp(f"embed-{request.param}"), "--model", SMOLLM, *EXACT, "--embeddings",
-                       *(("--pooling", "mean") if request.param == "mean" else ()))  # last is the default
-    yield srv, request.param
+    if request.param == "last":  # the default pooling, on the suite's server
+        yield request.getfixturevalue("server"), "last"
+        return
+    srv = start_server(tmp_path_factory.mktemp("embed-mean"), "--model", SMOLLM, *EXACT, "--embeddings",
+                       "--pooling", "mean")
+    yield srv, "mean"
     stop_server(srv)
 
 
@@ -164,8 +168,3 @@ def test_decoder_embeddings_pool_the_engine_hidden_states(decoder_server, smollm
     reply = client.completions.create(model=SMOLLM, prompt="The capital of France is", max_tokens=4, temperature=0)
     assert reply.choices[0].finish_reason == "length"
 
-
-def test_a_decoder_without_the_flag_serves_no_embeddings(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError) as e:
-        client.embeddings.create(model=SMOLLM, input="hi")
-    assert e.value.body["code"] == "embeddings_not_enabled" and "--embeddings" in e.value.body["message"]
