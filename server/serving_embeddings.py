@@ -1,4 +1,4 @@
-"""POST /v1/embeddings: inputs (text or token ids) → one EmbeddingJob on a worker → unit vectors, as floats or base64.
+"""POST /v1/embeddings: inputs (text or token ids) → one EmbeddingJob on a worker → unit vectors, floats or base64.
 
 Text inputs are tokenized as completions prompts are (with the model's special tokens: BERT's [CLS] ... [SEP]);
 token-id inputs are taken as they are, as vLLM takes them. An input longer than the model's context (or

@@ -123,7 +123,8 @@ def test_bad_input_gets_the_error_envelope(minilm_client: openai.OpenAI, body: d
 def test_an_embedding_model_answers_no_generation(minilm_client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError):
         minilm_client.embeddings.create(model="text-embedding-3-small", input="hi")
-    for call in (lambda: minilm_client.chat.completions.create(model=MINILM, messages=[{"role": "user", "content": "hi"}]),
+    messages = [{"role": "user", "content": "hi"}]
+    for call in (lambda: minilm_client.chat.completions.create(model=MINILM, messages=messages),
                  lambda: minilm_client.completions.create(model=MINILM, prompt="hi")):
         with pytest.raises(openai.BadRequestError) as e:
             call()
