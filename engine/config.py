@@ -1,9 +1,10 @@
-"""`ModelConfig`: one description of a decoder for every family, from GGUF metadata or a Hugging Face config.json."""
+"""`ModelConfig`: one description of a decoder for every family, from GGUF metadata or a Hugging Face config.json;
+`EncoderConfig`: the same for the bidirectional encoders that compute sentence embeddings (BERT)."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from .errors import UnsupportedModelError
 
@@ -23,6 +24,7 @@ class RopeConfig:
 
 @dataclass
 class ModelConfig:
+    is_encoder: ClassVar[bool] = False
     family: str
     vocab_size: int
     hidden_size: int
@@ -54,6 +56,51 @@ class ModelConfig:
         if not self.layer_is_sliding:
             self.layer_is_sliding = [False] * self.num_layers
 
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """A BERT-style encoder: learned absolute positions, post-norm layers with LayerNorm, GELU MLP, full attention."""
+
+    is_encoder: ClassVar[bool] = True
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    max_position: int
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    hidden_act: str = "gelu"  # "gelu" (erf, as BERT) or "gelu_tanh"
+    pad_token_id: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+ENCODER_FAMILIES = ("bert",)
+_ENCODER_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def encoder_config_from_hf(cfg: dict[str, Any]) -> EncoderConfig:
+    """A BERT encoder's config from its Hugging Face `config.json` dictionary."""
+    act = cfg.get("hidden_act", "gelu")
+    if act not in _ENCODER_ACTIVATIONS:
+        raise UnsupportedModelError(f"unsupported hidden_act {act!r} for bert")
+    if cfg.get("position_embedding_type", "absolute") != "absolute":
+        raise UnsupportedModelError(f"unsupported position_embedding_type {cfg['position_embedding_type']!r} "
+                                    "for bert (only absolute)")
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    if hidden % heads:
+        raise UnsupportedModelError(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
+    return EncoderConfig(
+        family="bert", vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]), num_heads=heads,
+        max_position=int(cfg.get("max_position_embeddings", 512)), type_vocab_size=int(cfg.get("type_vocab_size", 2)),
+        layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)), hidden_act=_ENCODER_ACTIVATIONS[act],
+        pad_token_id=int(cfg.get("pad_token_id") or 0))
 
 
 def _gemma3_layer_pattern(num_layers: int) -> list[bool]:
@@ -116,15 +163,18 @@ def _hf_rope(cfg: dict[str, Any], kind: str | None, default_theta: float) -> Rop
     return RopeConfig(theta, scaling)
 
 
-def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
-    """Build the config from a Hugging Face `config.json` dictionary."""
+def config_from_hf(cfg: dict[str, Any]) -> ModelConfig | EncoderConfig:
+    """Build the config from a Hugging Face `config.json` dictionary (an EncoderConfig for BERT)."""
+    if cfg.get("model_type") in ENCODER_FAMILIES:
+        return encoder_config_from_hf(cfg)
     if cfg.get("model_type") == "gemma3" and "text_config" in cfg:
         cfg = {**cfg["text_config"], "model_type": "gemma3_text"}
     model_type = cfg.get("model_type", "")
     family = _HF_MODEL_TYPES.get(model_type)
     if family is None:
         raise UnsupportedModelError(
-            f"unsupported model_type {model_type!r} in config.json; supported: {', '.join(_HF_MODEL_TYPES)}")
+            f"unsupported model_type {model_type!r} in config.json; supported: "
+            f"{', '.join([*_HF_MODEL_TYPES, *ENCODER_FAMILIES])}")
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     head_dim = int(cfg.get("head_dim") or hidden // heads)
     num_layers = int(cfg["num_hidden_layers"])

@@ -11,10 +11,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import ModelConfig
+from .config import EncoderConfig, ModelConfig
 from .errors import ModelFormatError
 from .kv_cache import kv_bytes_per_token
-from .models import DecoderModel, build_model
+from .models import BertEncoder, DecoderModel, build_model
+from .models.bert import bert_state_dict
+from .pooling import sentence_transformers_pooling
 from .quant import QUANT_MODES, Affine4Bit, Int8Embedding, Int8Linear, quantize_int8, quantized_linear
 from .registry import KNOWN_MODELS
 from .runner import Runner
@@ -142,6 +144,23 @@ def _materialise(cfg: ModelConfig, state: dict[str, Any], device: torch.device, 
     return model.eval()
 
 
+def _materialise_encoder(cfg: EncoderConfig, state: dict[str, torch.Tensor], device: torch.device,
+                         dtype: torch.dtype, source: str) -> BertEncoder:
+    with torch.device("meta"):
+        model = BertEncoder(cfg)
+    # The projections and MLPs compute in `dtype`; embeddings, norms and the residual stream between them stay
+    # float32: in bfloat16 throughout, rounding the stream costs all-MiniLM-L6-v2 its 0.9999 cosine to float32.
+    converted = {name: t.to(device=device, dtype=dtype if name.startswith("layers.") and "proj" in name
+                            else torch.float32) for name, t in bert_state_dict(state, cfg).items()}
+    expected = set(model.state_dict())
+    missing, unexpected = expected - converted.keys(), converted.keys() - expected
+    if missing or unexpected:
+        raise ModelFormatError(f"{source}: weights do not match the {cfg.family} architecture; "
+                               f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    model.load_state_dict(converted, assign=True)
+    return model.eval()
+
+
 def _rebuild_buffers(model: DecoderModel, device: torch.device, freq_factors: torch.Tensor | None) -> None:
     """Recompute the rope buffers that were built on the meta device (with GGUF's llama3 factors, if any)."""
     from .layers import rope_inv_freq
@@ -196,6 +215,8 @@ def load_runner(source: str | os.PathLike[str], device: str | torch.device = "cp
     of quantized layer weights for calls of many rows (prefill), twice as fast there for 2 bytes per weight more;
     `deterministic` sends every token through the same kernels (CPU only), so that logits do not depend on
     chunking, batching or the prefix cache (no dense copy is kept then: it would never be used).
+    A BERT directory gives an encoder's Runner (embeddings only, no KV cache; pooling from its
+    sentence-transformers config); the cache and quant arguments are for decoders.
     """
     device = torch.device(device)
     name, defaults, template = str(source), {}, None
@@ -209,6 +230,13 @@ def load_runner(source: str | os.PathLike[str], device: str | torch.device = "cp
         quant, dtype = resolve_quant(quant, dtype, device, quantized_source=False)
         cfg, state, _ = load_safetensors_dir(path, progress)
         tokenizer = Tokenizer.from_pretrained_dir(path)
+        if cfg.is_encoder:
+            if quant != "none":
+                raise ValueError(f"quant {quant!r} is for decoders; a {cfg.family} encoder runs dense weights")
+            encoder = _materialise_encoder(cfg, state, device, dtype, str(path))
+            _return_freed_memory()
+            return Runner(encoder, tokenizer, name=name if known else path.name, device=device, dtype=dtype,
+                          max_context=max_context, pooling=sentence_transformers_pooling(path) or "mean")
         gen = _read_json(path / "generation_config.json")
         defaults |= {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in gen}
     elif path.is_file() and path.suffix == ".gguf":

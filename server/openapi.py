@@ -23,7 +23,8 @@ RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying",
 ERRORS = {
     400: "Invalid request: malformed or non-UTF-8 JSON, a field out of range, a prompt too long for the context "
          "(`context_length_exceeded`) or over --max-prompt-tokens (`prompt_too_long`), too many prompts "
-         "(`too_many_prompts`).",
+         "(`too_many_prompts`) or embedding inputs (`too_many_inputs`), a route the served model does not serve "
+         "(`embeddings_only`, `embeddings_not_enabled`).",
     401: "Missing or wrong key, given as `Authorization: Bearer` or `x-api-key` (`invalid_api_key`).",
     404: "The model is not the served one (`model_not_found`), or no stored response has that id "
          "(`response_not_found`, `previous_response_not_found`).",

@@ -12,6 +12,7 @@ MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128
 MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]
+MAX_EMBEDDING_INPUTS = 2048  # inputs of one embeddings request, as OpenAI's
 
 
 def _whole_characters(text: str) -> str:
@@ -220,6 +221,22 @@ class CompletionRequest(StructuredRequest):
     best_of: int | None = Field(None, description="only equal to n")
 
 
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings; unknown fields are kept in `model_extra` (logged, then ignored)."""
+
+    model_config = STRICT_ALLOW_EXTRA
+
+    model: Text
+    input: Text | list[Text] | list[int] | list[list[int]] = Field(
+        ..., description=f"a string, a list of strings, token ids or lists of token ids; at most "
+                         f"{MAX_EMBEDDING_INPUTS} inputs, none empty")
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="base64: each embedding's little-endian float32 bytes, base64-encoded")
+    dimensions: int | None = Field(None, ge=1, description="keep the first `dimensions` values, renormalised to "
+                                                           "unit length (at most the model's size)")
+    user: Text | None = None
+
+
 class TokenizeRequest(BaseModel):
     model_config = STRICT
 
@@ -306,6 +323,24 @@ class CompletionChoice(BaseModel):
 class CompletionResponse(_CompletionEnvelope):
     object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # str: base64 of the float32 values
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
 
 
 class ModelCard(BaseModel):

@@ -10,13 +10,14 @@ from starlette.concurrency import run_in_threadpool
 from .errors import APIError, invalid
 from .openapi import PROMETHEUS_TEXT, RETRY_AFTER, anthropic_errors, errors
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-                       DetokenizeRequest, DetokenizeResponse, Health, HealthUnavailable, Liveness, ModelCard,
-                       ModelList, TokenizeRequest, TokenizeResponse)
+                       DetokenizeRequest, DetokenizeResponse, EmbeddingRequest, EmbeddingResponse, Health,
+                       HealthUnavailable, Liveness, ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
 from .protocol_anthropic import CountTokensRequest, MessageResponse, MessagesRequest, TokenCount
 from .protocol_responses import InputItemList, ResponseDeleted, ResponseObject, ResponsesRequest
 from .serving import ModelState, check_model, check_token_ids
 from .serving_chat import ChatServing, chat_prompt_ids
 from .serving_completions import CompletionServing
+from .serving_embeddings import EmbeddingServing
 from .serving_messages import MessagesServing
 from .serving_responses import ResponsesServing
 
@@ -164,6 +165,14 @@ async def count_message_tokens(body: CountTokensRequest, request: Request) -> To
     _state(request)
     serving: MessagesServing = request.app.state.messages
     return await serving.count_tokens(body)
+
+
+@router.post("/v1/embeddings", response_model=None,
+             responses={200: {"model": EmbeddingResponse}, **_GENERATION_ERRORS})
+async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
+    _state(request)
+    serving: EmbeddingServing = request.app.state.embeddings
+    return await serving.create(body, request)
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=_UTILITY_ERRORS)

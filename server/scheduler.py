@@ -8,6 +8,9 @@ keeping every token it generated.
 
 Faults stay with the requests they belong to: a row the runner refuses (RowError) fails only its generation, with
 a 400; a step that crashes fails the generations in that step (`fail_step`), and everything else keeps going.
+
+Embedding requests (server/embedding_jobs.py) run as forward passes of their own: while both kinds have work,
+an embedding step and a generation step take turns.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from engine.batch import StepRow
 from engine.block_manager import KVSequence
 from engine.errors import RowError
 
+from .embedding_jobs import EmbeddingJob, EmbeddingSteps
 from .generation import ChoiceDelta, EventBatch, Generation, GenerationDone, GenerationFailed, PromptLogprobs, \
     TokenLogprob
 from .grammar import GrammarMatcher, fill_bitmasks
@@ -84,15 +88,20 @@ class Scheduler:
         self.preemptions = 0
         self.num_queued = 0  # generations not started yet (read from other threads: one int, always current)
         self.events = EventBatch()
+        self.embeddings = EmbeddingSteps(runner, max_batched_tokens)
+        self._embeddings_turn = True
 
     @property
     def num_generations(self) -> int:
         return len(self._gens)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running) or self.embeddings.has_work()
 
-    def add(self, gen: Generation) -> None:
+    def add(self, gen: Generation | EmbeddingJob) -> None:
+        if isinstance(gen, EmbeddingJob):
+            self.embeddings.add(gen)
+            return
         kv = KVSequence(list(gen.prompt_ids))
         self._gens[gen] = _GenState(prompt_tokens=len(gen.prompt_ids))
         self.waiting.append(Unit(gen, kv))
@@ -124,16 +133,17 @@ class Scheduler:
                 gen.emit(GenerationFailed(status, message, code))
 
     def fail_step(self, status: int, message: str) -> int:
-        """Fail the generations of the step that was under way (it crashed); returns how many."""
+        """Fail the generations (or embedding jobs) of the step that was under way (it crashed); returns how many."""
         gens = [u.gen for u in self._stepping]
         self._stepping = []
         self.fail(gens, status, message)
-        return len(dict.fromkeys(gens))
+        return len(dict.fromkeys(gens)) + self.embeddings.fail_step(status, message)
 
     def fail_all(self, status: int, message: str) -> None:
-        """Fail every generation this scheduler holds (its worker cannot go on)."""
+        """Fail every generation and embedding job this scheduler holds (its worker cannot go on)."""
         self._stepping = []
         self.fail(list(self._gens), status, message)
+        self.embeddings.fail_all(status, message)
 
     def _preempt_newest(self, keep: Unit, scheduled: dict[Unit, int]) -> bool:
         """Free the blocks of the most recently admitted running sequence not yet scheduled this step (nor `keep`)."""
@@ -251,8 +261,18 @@ class Scheduler:
                 units = [u for u in units if u.gen in self._gens]
         return None
 
-    @torch.inference_mode()
     def step(self) -> None:
+        """One forward pass: of pending embeddings or of the generations, taking turns while both have work."""
+        generating = bool(self.waiting or self.running)
+        if self.embeddings.has_work() and (self._embeddings_turn or not generating):
+            self._embeddings_turn = False
+            if self.embeddings.step(alone=not generating) or not generating:
+                return
+        self._embeddings_turn = True
+        self._generation_step()
+
+    @torch.inference_mode()
+    def _generation_step(self) -> None:
         """Advance every scheduled sequence by one forward pass and handle what it produced."""
         self.drop_cancelled()
         self._stepping = self._schedule()

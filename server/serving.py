@@ -43,6 +43,8 @@ class ModelState:
     stream_timeout: float | None = None   # seconds a stream waits for a client that stopped reading, then is cut
     parse_special_in_messages: bool = False  # trusted callers: special-token text in messages is control tokens
     grammars: GrammarCompiler | None = None  # compiled output grammars (structured outputs, tool calls), cached
+    embeddings: bool = False              # serves POST /v1/embeddings (an encoder always; a decoder with --embeddings)
+    pooling: str | None = None            # the embeddings' pooling (None: the runner's own)
 
 
 def check_model(state: ModelState, name: str) -> None:
@@ -91,6 +93,9 @@ class OpenAIServing:
         if record is not None:
             record.model = name
         check_model(self.state, name)
+        if self.runner.is_encoder:
+            raise invalid(f"this model serves embeddings only: `{name}` is an encoder; use POST /v1/embeddings",
+                          param="model", code="embeddings_only")
 
     def log_unknown_fields(self, req: OpenAIRequest) -> None:
         if req.model_extra:

@@ -58,7 +58,7 @@ class Settings(BaseSettings):
         None, description="sequences decoding together in one batch (default: 32 on CPU, 256 on a GPU)")
     max_batched_tokens: PositiveInt | None = Field(
         None, description="tokens per forward pass; longer prompts are prefilled in chunks (default: 512 on CPU, "
-                          "8192 on a GPU)")
+                          "8192 on a GPU or for an encoder model, which has no decoding to keep flowing)")
     cuda_graphs: bool = Field(
         True, description="on a GPU, run decode steps as CUDA graphs captured at start-up per batch-size bucket")
     dense_prefill: bool = Field(
@@ -73,6 +73,12 @@ class Settings(BaseSettings):
     prefix_caching: bool = Field(True, description="reuse the KV cache of prompt prefixes seen before")
     max_prompt_tokens: PositiveInt | None = Field(
         None, description="longest prompt accepted, in tokens (default: the context size); longer ones get a 400")
+    embeddings: bool = Field(
+        False, description="also serve POST /v1/embeddings from a decoder model (an encoder model such as "
+                           "all-minilm-l6-v2 serves embeddings only, with or without it)")
+    pooling: Literal["last", "mean"] | None = Field(
+        None, description="how embeddings pool the hidden states: the last token's or the mean of all (default: the "
+                          "model's sentence-transformers config for an encoder, last for a decoder)")
     parse_special_in_messages: bool = Field(
         False, description="trusted callers only: special-token text inside chat messages (say a user's own "
                            "end-of-turn marker) becomes control tokens, as in llama-server and vLLM; off, only the "
@@ -120,7 +126,7 @@ class Settings(BaseSettings):
                              "enableServiceLinks: false on the pod, or EMBERSERVE_PORT explicitly")
         return value
 
-    @field_validator("dtype", "quant", "log_level", "log_format", mode="before")
+    @field_validator("dtype", "quant", "pooling", "log_level", "log_format", mode="before")
     @classmethod
     def _lower(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value
@@ -128,13 +134,18 @@ class Settings(BaseSettings):
 
 CPU_DEFAULTS = {"max_running": 32, "max_batched_tokens": 512}
 GPU_DEFAULTS = {"max_running": 256, "max_batched_tokens": 8192}
+# An encoder only embeds: its steps need not stay short for decoding streams, and a batch split into small steps
+# pays each step's fixed costs again (a request of 64 sentences: 4 steps instead of 1 under the CPU default).
+ENCODER_DEFAULTS = {"max_batched_tokens": 8192}
 
 
-def device_default(settings: Settings, name: str) -> int:
-    """A setting's value, or its default for the settings' device when it was left out."""
+def device_default(settings: Settings, name: str, encoder: bool = False) -> int:
+    """A setting's value, or its default for the settings' device (and an encoder model) when it was left out."""
     value = getattr(settings, name)
     if value is not None:
         return value
+    if encoder and name in ENCODER_DEFAULTS:
+        return ENCODER_DEFAULTS[name]
     return (CPU_DEFAULTS if settings.device == "cpu" else GPU_DEFAULTS)[name]
 
 

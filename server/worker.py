@@ -11,6 +11,7 @@ import torch
 from engine import Runner
 from engine.errors import EngineError
 
+from .embedding_jobs import EmbeddingJob
 from .errors import APIError
 from .generation import Generation, GenerationFailed
 from .scheduler import Scheduler
@@ -40,7 +41,7 @@ class Worker:
         self.runner, self.threads = runner, threads  # threads: torch intra-op threads of this worker (None: as set)
         self.name, self.on_failure = name, on_failure
         self.scheduler = Scheduler(runner, max_batched_tokens=max_batched_tokens, max_running=max_running)
-        self._inbox: queue.SimpleQueue[Generation | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Generation | EmbeddingJob | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._stopping = False
         self.failure: str | None = None  # why the worker stopped serving, once it has
@@ -53,23 +54,23 @@ class Worker:
         self._inbox.put(None)
         self._thread.join(timeout)
 
-    def submit(self, gen: Generation) -> None:
+    def submit(self, gen: Generation | EmbeddingJob) -> None:
         self._inbox.put(gen)
 
     # Read from the event loop while the worker thread changes them: list() copies are atomic under the GIL,
     # and a slightly stale count is fine for routing and /health.
     @property
     def running(self) -> int:
-        return len({u.gen for u in list(self.scheduler.running)})
+        return len({u.gen for u in list(self.scheduler.running)}) + self.scheduler.embeddings.num_started
 
     @property
     def queued(self) -> int:
         """Requests submitted and not started yet (O(1): read on every submission)."""
-        return self._inbox.qsize() + self.scheduler.num_queued
+        return self._inbox.qsize() + self.scheduler.num_queued + self.scheduler.embeddings.num_waiting
 
     @property
     def load(self) -> int:
-        return self._inbox.qsize() + self.scheduler.num_generations
+        return self._inbox.qsize() + self.scheduler.num_generations + self.scheduler.embeddings.num_jobs
 
     @property
     def generated_tokens(self) -> int:
@@ -155,7 +156,7 @@ class WorkerPool:
         """Why a worker stopped serving (the first one's), or None while all serve."""
         return next((w.failure for w in self.workers if w.failure is not None), None)
 
-    def submit(self, gen: Generation) -> None:
+    def submit(self, gen: Generation | EmbeddingJob) -> None:
         if self.failure is not None:
             raise APIError(503, "the server cannot generate (a worker failed) and is restarting; retry shortly",
                            code="worker_failed", headers={"Retry-After": RETRY_AFTER_S})
@@ -181,7 +182,7 @@ class WorkerPool:
 
     def stats(self) -> dict[str, int]:
         """Load and KV-cache figures summed over the workers (cached but unreferenced blocks count as free)."""
-        blocks = [w.runner.blocks for w in self.workers]
+        blocks = [w.runner.blocks for w in self.workers if w.runner.blocks is not None]  # an encoder has none
         return {"running": self.running, "queued": self.queued, "generated_tokens": self.generated_tokens,
                 "kv_blocks_total": sum(b.num_blocks for b in blocks), "kv_blocks_used": sum(b.num_used for b in blocks),
                 "prefix_cache_queried_tokens": sum(b.queries for b in blocks),

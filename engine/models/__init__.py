@@ -1,8 +1,9 @@
-"""One decoder per family, built from the shared blocks in `engine.layers`."""
+"""One decoder per family, built from the shared blocks in `engine.layers`; the BERT encoder for embeddings."""
 from __future__ import annotations
 
 from ..config import ModelConfig
 from .base import DecoderModel
+from .bert import BertEncoder
 from .gemma3 import Gemma3Block
 from .llama import LlamaBlock
 
@@ -14,4 +15,4 @@ def build_model(cfg: ModelConfig) -> DecoderModel:
     return DecoderModel(cfg, _BLOCKS[cfg.family])
 
 
-__all__ = ["DecoderModel", "build_model"]
+__all__ = ["BertEncoder", "DecoderModel", "build_model"]

@@ -63,8 +63,9 @@ class DecoderModel(nn.Module):
             self.__dict__["_scripted"] = _script(self._stack) or False
         return self._scripted or self._stack
 
-    def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
-        """Float32 logits [R, vocab] at the batch's `logit_index` positions."""
+    def forward(self, batch: ForwardBatch, cache: PagedKVCache, hidden_states: bool = False) -> torch.Tensor:
+        """Float32 logits [R, vocab] at the batch's `logit_index` positions; with `hidden_states`, the final norm's
+        output [R, hidden] there instead (what embeddings pool), in the compute dtype."""
         x = self.embed_tokens(batch.ids)
         if self.cfg.embed_scale != 1.0:
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
@@ -78,6 +79,8 @@ class DecoderModel(nn.Module):
         rows = batch.logit_index  # the last block's add, and the final norm, for the rows whose logits are returned
         x, _ = add_rms_norm(branch.index_select(0, rows), residual.index_select(0, rows), self.norm.weight,
                             self.norm.eps, self.norm.doubled)
+        if hidden_states:
+            return x
         logits = self.lm_head(x, x.shape[0], batch.deterministic).float()
         if self.cfg.final_logit_softcap:
             cap = self.cfg.final_logit_softcap

@@ -1,4 +1,5 @@
-"""Load a Hugging Face safetensors directory: config.json, one or many shards, renamed to the decoder's names."""
+"""Load a Hugging Face safetensors directory: config.json, one or many shards, renamed to the decoder's names
+(an encoder's tensors keep their Hugging Face names: engine/models/bert.py maps them)."""
 from __future__ import annotations
 
 import json
@@ -8,13 +9,16 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ..config import ModelConfig, config_from_hf
+from ..config import EncoderConfig, ModelConfig, config_from_hf
 from ..errors import ModelFormatError
 from . import Progress, no_progress
 
-# Checkpoints nest the decoder under different prefixes (plain, multimodal gemma3).
-_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
-_SKIPPED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+# Checkpoints nest the model under different prefixes (plain, multimodal gemma3, BERT with task heads).
+_PREFIXES = ("model.language_model.", "language_model.model.", "model.", "bert.")
+_SKIPPED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
+                     # BERT's pooler and pre-training heads: sentence embeddings pool the last hidden states
+                     "pooler.", "bert.pooler.", "cls.")
+_SKIPPED_SUFFIXES = ("position_ids",)  # BERT's position index buffer (0..max-1), not a weight
 
 
 def _shard_files(directory: Path) -> list[Path]:
@@ -33,7 +37,7 @@ def _shard_files(directory: Path) -> list[Path]:
 
 
 def _param_name(name: str) -> str | None:
-    if name.startswith(_SKIPPED_PREFIXES):
+    if name.startswith(_SKIPPED_PREFIXES) or name.endswith(_SKIPPED_SUFFIXES):
         return None
     if name == "lm_head.weight" or name.startswith("language_model.lm_head."):
         return "lm_head.weight"
@@ -44,7 +48,7 @@ def _param_name(name: str) -> str | None:
 
 
 def load_safetensors_dir(directory: str | Path, progress: Progress = no_progress
-                         ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
+                         ) -> tuple[ModelConfig | EncoderConfig, dict[str, torch.Tensor], dict[str, Any]]:
     """(config, float32 state dict in the decoder's names, the raw config.json)."""
     directory = Path(directory)
     config_path = directory / "config.json"

@@ -17,7 +17,8 @@ MODEL = "smollm2-135m"
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = start_server(tmp_path_factory.mktemp("server"), "--model", MODEL, *EXACT)
+    # --embeddings: the suite's server also embeds (test_embeddings.py), which changes nothing of its generations
+    srv = start_server(tmp_path_factory.mktemp("server"), "--model", MODEL, *EXACT, "--embeddings")
     yield srv
     stop_server(srv)
 

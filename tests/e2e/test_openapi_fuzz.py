@@ -2,10 +2,10 @@
 document (valid ones, and ones that break it) never get a 5xx, every 4xx is exactly the OpenAI error envelope, and
 every response has a status, media type and body the document declares for that route.
 
-The server is a dedicated process (int4 SmolLM2, a 256-token context, short prompts, a short queue) with an API
-key, which schemathesis sends from the document's security scheme, or breaks (401s). Valid generation requests are
-cut to n <= 2 and at most 8 new tokens, so that each costs milliseconds and the module stays within about 90 s on
-two cores; the cuts keep them valid.
+The server is a dedicated process (int4 SmolLM2 serving embeddings too, a 256-token context, short prompts, a
+short queue) with an API key, which schemathesis sends from the document's security scheme, or breaks (401s).
+Valid generation requests are cut to n <= 2 and at most 8 new tokens, so that each costs milliseconds and the
+module stays within about 90 s on two cores; the cuts keep them valid.
 """
 from __future__ import annotations
 
@@ -28,11 +28,11 @@ from server_process import ServerProcess, start_server, stop_server
 
 # Examples per route and generation mode: valid requests for every route, and invalid ones (a broken body, a
 # missing or wrong key) for those that take a key; the probes have one distinct request, so they run once. That is
-# 3 + 3 + 3 + (3 + 3) + (20 + 20) + (150 + 150) * 2 + (60 + 60) + (40 + 40) = 898 requests for the chat and
-# completions routes and the others, 50-60 s with the server's start on this 2-core machine shared with other
-# work (load average 4), and (60 + 60) * 2 + (10 + 10) * 2 + (15 + 15) + (30 + 30) = 370 for the Responses and
-# Anthropic routes, 15-20 s more. The summary printed at the end says how many each route ran and which statuses
-# they got.
+# 3 + 3 + 3 + (3 + 3) + (20 + 20) + (150 + 150) * 2 + (60 + 60) + (40 + 40) + (60 + 60) = 1018 requests for the
+# chat, completions, embeddings routes and the others, 50-60 s with the server's start on this 2-core machine shared
+# with other work (load average 4), and (60 + 60) * 2 + (10 + 10) * 2 + (15 + 15) + (30 + 30) = 370 for the
+# Responses and Anthropic routes, 15-20 s more. The summary printed at the end says how many each route ran and
+# which statuses they got.
 EXAMPLES = {
     "GET /livez": 3,
     "GET /health": 3,
@@ -49,12 +49,13 @@ EXAMPLES = {
     "GET /v1/responses/{response_id}/input_items": 15,
     "POST /v1/messages": 60,
     "POST /v1/messages/count_tokens": 30,
+    "POST /v1/embeddings": 60,
 }
 MODEL = "smollm2-135m"
 VOCAB = 49152
 MAX_NEW_TOKENS = 8
 MAX_N = 2
-SERVER_ARGS = ("--max-context", "256", "--max-prompt-tokens", "128", "--max-queued", "8")
+SERVER_ARGS = ("--max-context", "256", "--max-prompt-tokens", "128", "--max-queued", "8", "--embeddings")
 KEY = "fuzz-key"
 PROBES = ("GET /livez", "GET /health", "GET /metrics")  # no key needed, no inputs: nothing to break
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
@@ -183,7 +184,7 @@ def valid_for_this_server(case: Case, fit: bool, stream: bool, response_ids: lis
     if fit:
         if "model" in body:
             body["model"] = MODEL
-        for name in ("prompt", "tokens"):
+        for name in ("prompt", "tokens", "input"):
             if name in body:
                 body[name] = in_vocabulary(body[name])
         if isinstance(body.get("logit_bias"), dict):

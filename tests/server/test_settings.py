@@ -95,3 +95,19 @@ def test_a_token_budget_below_the_batch_is_refused() -> None:
         Settings(max_running=600)
     assert Settings(max_batched_tokens=16, max_running=16).max_running == 16
     assert Settings(device="cuda", max_running=600).max_running == 600  # the GPU's default budget holds 8192
+
+
+def test_an_encoder_takes_whole_batches_unless_told_otherwise() -> None:
+    from server.settings import device_default
+
+    assert device_default(Settings(), "max_batched_tokens") == 512
+    assert device_default(Settings(), "max_batched_tokens", encoder=True) == 8192
+    assert device_default(Settings(max_batched_tokens=64), "max_batched_tokens", encoder=True) == 64
+    assert device_default(Settings(), "max_running", encoder=True) == 32
+
+
+def test_pooling_takes_last_or_mean(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EMBERSERVE_POOLING", "MEAN")
+    assert Settings().pooling == "mean" and Settings(pooling="last").pooling == "last"
+    with pytest.raises(ValidationError):
+        Settings(pooling="max")
