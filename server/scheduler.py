@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -61,6 +62,15 @@ class Unit:
         return self.gen.n if self.choice is None else 1
 
 
+@dataclass
+class _EarlyMasks:
+    """Bitmasks being filled while the forward pass runs: row of each unit (by id), the bitmask, the fill."""
+
+    rows: dict[int, int]
+    bitmask: torch.Tensor
+    future: Future
+
+
 @dataclass(eq=False)
 class _GenState:
     prompt_tokens: int
@@ -84,6 +94,7 @@ class Scheduler:
         self._gens: dict[Generation, _GenState] = {}
         self._take: dict[Unit, int] = {}
         self._stepping: list[Unit] = []  # the units of the step under way, failed together if it crashes
+        self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         self.generated_tokens = 0
         self.preemptions = 0
         self.num_queued = 0  # generations not started yet (read from other threads: one int, always current)
@@ -276,6 +287,7 @@ class Scheduler:
         """Advance every scheduled sequence by one forward pass and handle what it produced."""
         self.drop_cancelled()
         self._stepping = self._schedule()
+        early = self._start_masks(self._stepping)
         done = self._forward(self._stepping)
         if done is None:
             self._stepping = []
@@ -293,7 +305,7 @@ class Scheduler:
             offset += n
             if row.end == len(unit.kv.tokens):
                 finished.append((unit, offset - 1))
-        self._sample(finished, logits)
+        self._sample(finished, logits, early)
         self._cap_running()
         self._stepping = []
         self.events.flush()
@@ -346,7 +358,8 @@ class Scheduler:
                 self.waiting.appendleft(unit)
                 excess -= 1
 
-    def _sample(self, finished: list[tuple[Unit, int]], logits: torch.Tensor) -> None:
+    def _sample(self, finished: list[tuple[Unit, int]], logits: torch.Tensor,
+                early: _EarlyMasks | None = None) -> None:
         """Sample the next token of every unit in `finished` from its row of `logits` (a prompt: its choices')."""
         todo: list[Unit] = []
         index: list[int] = []
@@ -371,19 +384,43 @@ class Scheduler:
         # The common step (every row a decode row's next token, in order) samples the logits as they are.
         rows = logits if index == list(range(len(logits))) else \
             logits.index_select(0, torch.tensor(index, device=logits.device))
-        sampled = sample_batch(rows, [u.sampler for u in todo], self._grammar_masks(todo))
+        sampled = sample_batch(rows, [u.sampler for u in todo], self._grammar_masks(todo, early))
         for unit, s in zip(todo, sampled):
             if unit.gen in self._gens:  # not failed by a choice before it
                 self._advance(unit, s.token, s.logprob, s.top_logprobs)
 
-    def _grammar_masks(self, units: list[Unit]) -> tuple[torch.Tensor, list[int]] | None:
-        """The token bitmask of the grammar-constrained rows among `units`, and their positions."""
+    def _start_masks(self, units: list[Unit]) -> _EarlyMasks | None:
+        """Start filling, on a thread while the forward pass runs, the bitmasks of the grammar-constrained units
+        whose next token this step samples: their matchers are final (the last step advanced them), and
+        llguidance fills masks with the GIL released, so a constrained batch is not serialised behind them."""
+        due = [u for u in units if u.matcher is not None and u.kv.num_computed + self._take[u] == len(u.kv.tokens)]
+        if not due:
+            return None
+        bitmask = allocate_bitmask(len(due), self.runner.vocab_size)
+        future = self._mask_pool.submit(fill_bitmasks, [u.matcher for u in due], bitmask)
+        return _EarlyMasks({id(u): i for i, u in enumerate(due)}, bitmask, future)
+
+    def _grammar_masks(self, units: list[Unit],
+                       early: _EarlyMasks | None = None) -> tuple[torch.Tensor, list[int]] | None:
+        """The token bitmask of the grammar-constrained rows among `units`, and their positions: the rows filled
+        early (`_start_masks`) as they are, the rest (choices just forked) now."""
         rows = [i for i, u in enumerate(units) if u.matcher is not None]
         if not rows:
             return None
+        if early is not None:
+            early.future.result()
         bitmask = allocate_bitmask(len(rows), self.runner.vocab_size)
-        fill_bitmasks([units[i].matcher for i in rows], bitmask)
+        late: list[tuple[int, GrammarMatcher]] = []
+        for j, i in enumerate(rows):
+            k = None if early is None else early.rows.get(id(units[i]))
+            if k is None:
+                late.append((j, units[i].matcher))
+            else:
+                bitmask[j] = early.bitmask[k]
+        for j, matcher in late:
+            matcher.fill_bitmask(bitmask, j)
         return bitmask, rows
+
 
     def _end_ids(self, gen: Generation) -> torch.Tensor | None:
         ids = sorted(gen.stop_token_ids)

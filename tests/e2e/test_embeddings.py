@@ -135,9 +135,10 @@ def test_an_embedding_model_answers_no_generation(minilm_client: openai.OpenAI) 
 # ---- a decoder with --embeddings ----
 
 def _engine_reference(runner, text: str, pooling: str) -> np.ndarray:
-    """What the server should answer, from the engine's final-norm hidden states over the whole prompt."""
+    """What the server should answer, from the engine's final-norm hidden states over the whole prompt (the input of
+    the LM head when every position's logits are asked for)."""
     captured = []
-    handle = runner.model.norm.register_forward_hook(lambda module, args, out: captured.append(out))
+    handle = runner.model.lm_head.register_forward_hook(lambda module, args, out: captured.append(args[0]))
     try:
         runner.predict_logits(runner.tokenizer.encode(text))
     finally:

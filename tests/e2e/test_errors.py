@@ -233,7 +233,7 @@ def test_unknown_route_is_a_404_envelope(http: httpx.Client, method: str, path: 
 
 def test_unknown_route_raises_not_found_error(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError):
-        client.embeddings.create(model=MODEL, input="hi")
+        client.images.generate(model=MODEL, prompt="a cat")
 
 
 @pytest.mark.parametrize("method,path", [("GET", CHAT), ("GET", CMPL), ("DELETE", "/v1/models"),

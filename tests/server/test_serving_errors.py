@@ -206,10 +206,10 @@ def test_unexpected_exception_in_a_route_is_a_500_envelope(failing, monkeypatch:
     """A bug outside the worker (here: the chat template step) answers the envelope, not a traceback."""
     failing(RuntimeError(SECRET)).on = False
 
-    def broken(self, req):
+    def broken(*args, **kwargs):
         raise KeyError(SECRET)
 
-    monkeypatch.setattr("server.serving_chat.ChatServing._render", broken)
+    monkeypatch.setattr("server.serving_chat.chat_prompt_ids", broken)
 
     async def scenario(http: httpx.AsyncClient, app) -> None:
         r = await http.post("/v1/chat/completions", json=CHAT)
