@@ -8,6 +8,8 @@ import json
 import jsonschema
 import openai
 import pytest
+from schema_cases import SCHEMAS as VARIED
+
 
 MODEL = "smollm2-135m"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
@@ -39,6 +41,33 @@ def test_forced_calls_are_valid(client, choice):
         _check_calls(c.message)
         if isinstance(choice, dict):
             assert {call.function.name for call in c.message.tool_calls} == {"get_time"}
+
+
+def test_forced_calls_over_varied_schemas_are_valid(aclient):
+    """Every object schema of the shared cases (nested objects, arrays, enums, ranges, patterns, optional fields) as
+    a tool's parameters, required or named, sampled: all requests at once, so they share the batch."""
+    schemas = [s for s in VARIED if s.get("type") == "object"]
+    assert len(schemas) >= 30
+    tools = [{"type": "function", "function": {"name": f"fn_{i}", "parameters": s}} for i, s in enumerate(schemas)]
+
+    async def one(i: int):
+        choice = {"type": "function", "function": {"name": f"fn_{i}"}} if i % 2 else "required"
+        offered = [tools[i]] if i % 2 else tools[i:i + 2]
+        return await aclient.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Call the tool with sensible arguments."}],
+            tools=offered, tool_choice=choice, parallel_tool_calls=False, max_tokens=200, temperature=0.8, seed=i)
+
+    async def run():
+        async with aclient:
+            return await asyncio.gather(*(one(i) for i in range(len(schemas))))
+
+    for i, r in enumerate(asyncio.run(run())):
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, (i, c)
+        call = c.message.tool_calls[0]
+        index = int(call.function.name.removeprefix("fn_"))
+        assert index == i or (i % 2 == 0 and index == i + 1), (i, call)
+        jsonschema.validate(json.loads(call.function.arguments), schemas[index])
 
 
 def test_auto_answers_or_calls_and_none_never_calls(client):

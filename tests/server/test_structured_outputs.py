@@ -10,6 +10,7 @@ import time
 import jsonschema
 import pytest
 import torch
+from schema_cases import OBJ, SCHEMAS
 
 from server.grammar import GrammarCompiler, GrammarSpec, StructuredOutputError
 from server.protocol import ResponseFormat, StructuredOutputs
@@ -17,63 +18,6 @@ from server.sampling import SamplingParams, SequenceSampler, sample_batch
 from server.structured_outputs import output_grammar
 from server.token_bitmask import allocate_bitmask, allowed_tokens, apply_token_bitmask, unpack_bitmask
 
-OBJ = {"type": "object", "additionalProperties": False}
-SCHEMAS: list[dict] = [
-    {"type": "object"},
-    {**OBJ, "properties": {"name": {"type": "string"}}, "required": ["name"]},
-    {**OBJ, "properties": {"age": {"type": "integer", "minimum": 18, "maximum": 99}}, "required": ["age"]},
-    {**OBJ, "properties": {"n": {"type": "integer", "exclusiveMinimum": -5, "exclusiveMaximum": 5}}, "required": ["n"]},
-    {**OBJ, "properties": {"x": {"type": "number", "minimum": 0.5, "maximum": 2.5}}, "required": ["x"]},
-    {**OBJ, "properties": {"ok": {"type": "boolean"}, "nothing": {"type": "null"}}, "required": ["ok", "nothing"]},
-    {**OBJ, "properties": {"colour": {"enum": ["red", "green", "blue"]}}, "required": ["colour"]},
-    {**OBJ, "properties": {"v": {"enum": [1, "two", None, True, 3.5]}}, "required": ["v"]},
-    {**OBJ, "properties": {"kind": {"const": "fixed"}, "id": {"type": "integer"}}, "required": ["kind", "id"]},
-    {**OBJ, "properties": {"zip": {"type": "string", "pattern": "^[0-9]{5}$"}}, "required": ["zip"]},
-    {**OBJ, "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{2,4}$"}}, "required": ["code"]},
-    {**OBJ, "properties": {"s": {"type": "string", "minLength": 3, "maxLength": 6}}, "required": ["s"]},
-    {**OBJ, "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 5}}}, "required": ["tags"]},
-    {**OBJ, "properties": {"xs": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 4}},
-     "required": ["xs"]},
-    {**OBJ, "properties": {"grid": {"type": "array", "items": {"type": "array", "items": {"type": "integer"},
-                                                               "maxItems": 3}, "maxItems": 3}}, "required": ["grid"]},
-    {**OBJ, "properties": {"a": {"type": "string"}, "b": {"type": "integer"}}, "required": ["a"]},
-    {**OBJ, "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}, "c": {"type": "integer"}}},
-    {**OBJ, "properties": {"user": {**OBJ, "properties": {"name": {"type": "string", "maxLength": 10},
-                                                           "email": {"type": "string", "pattern": "^[a-z]{1,8}@[a-z]{1,8}\\.com$"}},
-                                     "required": ["name", "email"]}}, "required": ["user"]},
-    {**OBJ, "properties": {"order": {**OBJ, "properties": {
-        "items": {"type": "array", "minItems": 1, "items": {**OBJ, "properties": {
-            "sku": {"type": "string", "pattern": "^[a-z]{3}$"}, "qty": {"type": "integer", "minimum": 1}},
-            "required": ["sku", "qty"]}},
-        "total": {"type": "number", "minimum": 0}}, "required": ["items", "total"]}}, "required": ["order"]},
-    {**OBJ, "properties": {"maybe": {"type": ["string", "null"]}}, "required": ["maybe"]},
-    {**OBJ, "properties": {"v": {"anyOf": [{"type": "integer"}, {"type": "string", "maxLength": 4}]}},
-     "required": ["v"]},
-    {**OBJ, "properties": {"v": {"oneOf": [{"type": "boolean"}, {**OBJ, "properties": {"k": {"type": "integer"}},
-                                                                  "required": ["k"]}]}}, "required": ["v"]},
-    {"$defs": {"point": {**OBJ, "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
-                         "required": ["x", "y"]}},
-     **OBJ, "properties": {"from": {"$ref": "#/$defs/point"}, "to": {"$ref": "#/$defs/point"}},
-     "required": ["from", "to"]},
-    {"type": "object", "properties": {"meta": {"type": "object", "additionalProperties": {"type": "integer"}}},
-     "required": ["meta"], "additionalProperties": False},
-    {**OBJ, "properties": {"date": {"type": "string", "format": "date"}}, "required": ["date"]},
-    {**OBJ, "properties": {"id": {"type": "string", "format": "uuid"}}, "required": ["id"]},
-    {**OBJ, "properties": {"pair": {"type": "array", "prefixItems": [{"type": "string", "maxLength": 4},
-                                                                     {"type": "integer"}],
-                                    "items": False, "minItems": 2}}, "required": ["pair"]},
-    {**OBJ, "properties": {"level": {"type": "integer", "enum": [1, 2, 3]}, "note": {"type": "string", "maxLength": 8}},
-     "required": ["level"]},
-    {**OBJ, "properties": {"steps": {"type": "array", "maxItems": 3, "items": {**OBJ, "properties": {
-        "op": {"enum": ["add", "sub"]}, "args": {"type": "array", "items": {"type": "number"}, "maxItems": 2}},
-        "required": ["op", "args"]}}}, "required": ["steps"]},
-    {**OBJ, "properties": {"unicode": {"type": "string", "maxLength": 12}, "count": {"type": "integer",
-                                                                                     "minimum": 0}},
-     "required": ["unicode", "count"]},
-    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 1, "maxItems": 5},
-    {"type": "string", "enum": ["yes", "no"]},
-    {"type": "integer", "minimum": 100, "maximum": 200},
-]
 STRING_LITERAL = re.compile(r'"(?:[^"\\]|\\.)*"')
 
 

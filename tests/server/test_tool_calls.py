@@ -8,7 +8,7 @@ import json
 import jsonschema
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
-from test_structured_outputs import SCHEMAS
+from schema_cases import SCHEMAS
 
 from engine.tokenizer import Tokenizer
 from server.grammar import StructuredOutputError
