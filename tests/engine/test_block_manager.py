@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from engine.block_manager import BlockManager, KVSequence, NoFreeBlocks
 from engine.errors import EngineError
@@ -478,11 +479,9 @@ def test_preempting_the_newest_sequence_frees_its_blocks_and_keeps_the_others():
 # randomized
 
 
-@pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("prefix_caching", [True, False])
-def test_random_operations_keep_the_invariants(seed, prefix_caching):
-    rng = random.Random(seed)
-    bs = rng.choice([1, 2, 3, 4]) if seed else 1  # block size 1: no partial blocks
+def _random_run(rng: random.Random, prefix_caching: bool, steps: int, bs: int) -> dict[str, int]:
+    """`steps` random operations (new / compute / decode / share / release / reset) on a random pool; the
+    invariants are checked after each, and the pool is whole once every sequence is released."""
     bm = BlockManager(rng.randint(4, 24), bs, prefix_caching)
     pool = Pool(bm)
     # prompts from a few stems so that prefixes are shared often
@@ -493,7 +492,7 @@ def test_random_operations_keep_the_invariants(seed, prefix_caching):
     def grow(seq: KVSequence, extra: int) -> None:
         seq.tokens += [rng.randrange(5) for _ in range(extra)]
 
-    for _ in range(500):
+    for _ in range(steps):
         op = rng.choice(["new", "new", "compute", "compute", "decode", "decode", "share", "release", "reset"])
         if bm.num_free < 3 and rng.random() < 0.3:
             op = "release"
@@ -527,8 +526,25 @@ def test_random_operations_keep_the_invariants(seed, prefix_caching):
         bm.release(seq)
     check_invariants(bm, [], pool)
     assert bm.num_free == bm.num_blocks
+    return counts
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_random_operations_keep_the_invariants(seed, prefix_caching):
+    rng = random.Random(seed)
+    bs = rng.choice([1, 2, 3, 4]) if seed else 1  # block size 1: no partial blocks
+    counts = _random_run(rng, prefix_caching, 500, bs)
     # the run exercised what it is meant to
     assert counts["alloc_fail"] > 0
     assert (counts["evicted"] > 0) == prefix_caching
     assert (counts["cow"] > 0) == (bs > 1)  # only a shared partial block is ever copied
     assert (counts["hit"] > 0) == prefix_caching
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rng=st.randoms(use_true_random=False), prefix_caching=st.booleans(), bs=st.sampled_from([1, 2, 3, 4]),
+       steps=st.integers(1, 120))
+def test_any_operation_sequence_keeps_the_invariants(rng, prefix_caching, bs, steps):
+    """The same operations with hypothesis choosing them (and shrinking a failure to a short sequence)."""
+    _random_run(rng, prefix_caching, steps, bs)
