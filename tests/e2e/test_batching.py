@@ -65,7 +65,7 @@ def _wait_idle(base_url: str, timeout: float = 30) -> dict:
 
 
 def test_concurrent_requests_get_what_they_get_alone(base_url: str) -> None:
-    bodies = [_request(i) for i in range(16)]
+    bodies = [_request(i) for i in range(12)]
 
     async def run() -> tuple[list[str], list[str]]:
         async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
@@ -99,7 +99,7 @@ def test_prefix_cache_hit_equals_cold(base_url: str, http: httpx.Client) -> None
 
 
 def test_cancelling_half_frees_every_block(base_url: str) -> None:
-    bodies = [{**_request(i), "max_tokens": 200} for i in range(16)]
+    bodies = [{**_request(i), "max_tokens": 80} for i in range(16)]
 
     async def run() -> list[str]:
         async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
