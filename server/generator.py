@@ -77,6 +77,7 @@ class GenerationConfig:
     max_tokens: int | None = None
     min_tokens: int | None = None
     stop: tuple[str, ...] | None = None
+    ignore_eos: bool | None = None
     seed: int | None = None
     preset: str | None = None
 
@@ -137,12 +138,13 @@ class GeneratedText:
         return self.text
 
 
-def _ran_with(gen: Generation, req: OpenAIRequest) -> GenerationConfig:
+def _ran_with(gen: Generation, preset: str | None) -> GenerationConfig:
     p = gen.params
     return GenerationConfig(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
                             repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
                             frequency_penalty=p.frequency_penalty, max_tokens=gen.max_tokens,
-                            min_tokens=gen.min_tokens, stop=tuple(gen.stop), seed=p.seed, preset=req.preset)
+                            min_tokens=gen.min_tokens, stop=tuple(gen.stop), ignore_eos=gen.ignore_eos, seed=p.seed,
+                            preset=preset)
 
 
 def generation_request(model: str, prompt: Prompt, config: GenerationConfig, stream: bool = False) -> OpenAIRequest:
@@ -217,8 +219,11 @@ class Generator:
                                 min_p=params.min_p, repetition_penalty=params.repetition_penalty,
                                 presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
                                 max_tokens=budget, min_tokens=req.min_tokens, stop=tuple(req.stop),
-                                seed=params.seed,
-                                preset=req.preset or (self.state.preset.name if self.state.preset else None))
+                                ignore_eos=req.ignore_eos, seed=params.seed, preset=self._preset_name(req))
+
+    def _preset_name(self, req: OpenAIRequest) -> str | None:
+        """The preset a request runs under: its own, else the generator's."""
+        return req.preset or (self.state.preset.name if self.state.preset is not None else None)
 
     # ---- generating ----
     async def generate(self, prompt: Prompt) -> GeneratedText:
@@ -242,7 +247,7 @@ class Generator:
                     done = event
         assert done is not None and finish is not None  # _events ends with GenerationDone or raises
         return GeneratedText("".join(text), tokens, logprobs, finish, done.prompt_tokens, done.cached_tokens,
-                             _ran_with(gen, req))
+                             _ran_with(gen, self._preset_name(req)))
 
     async def stream(self, prompt: Prompt, overrides: GenerationConfig | Mapping[str, Any] | None = None
                      ) -> AsyncIterator[StreamedToken]:
