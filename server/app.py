@@ -170,7 +170,8 @@ async def _load_in_background(app: FastAPI, settings: Settings) -> None:
                                            ResponseStore(settings.responses_store_size, settings.responses_store_ttl))
     app.state.messages = MessagesServing(state, app.state.metrics)
     app.state.embeddings = EmbeddingServing(state, app.state.metrics)
-    log.info("serving %s at http://%s:%d/v1%s", state.model_id, settings.host, settings.port,
+    log.info("serving %s at http://%s:%d/v1%s%s", state.model_id, settings.host, settings.port,
+             f" with the {settings.preset} preset" if settings.preset else "",
              " (API key required)" if settings.api_key else "")
 
 

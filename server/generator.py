@@ -103,7 +103,7 @@ class GenerationConfig:
         """The values set, as request fields (a budget left out is the rest of the context, not completions' 16)."""
         out = {k: v for k, v in asdict(self).items() if v is not None}
         if "stop" in out:
-            out["stop"] = list(out["stop"])
+            out["stop"] = [out["stop"]] if isinstance(out["stop"], str) else list(out["stop"])
         out.setdefault("max_tokens", None)
         return out
 
