@@ -72,10 +72,11 @@ def _load_runner(settings: Settings, index: int, progress: Progress) -> Runner:
     return runner
 
 
-def start_serving(settings: Settings, runners: list[Runner],
-                  on_worker_failure: Callable[[Worker], None] | None = None) -> ModelState:
+def start_serving(settings: Settings, runners: list[Runner], on_worker_failure: Callable[[Worker], None] | None = None,
+                  prepare_grammars: bool = True) -> ModelState:
     """A worker (thread and scheduler) for each runner, started, and the served model's state over them: what
-    the HTTP app and the in-process `Generator` (server/generator.py) both serve from."""
+    the HTTP app and the in-process `Generator` (server/generator.py) both serve from. `prepare_grammars`: build
+    the grammar engine's vocabulary now, beside serving (else on the first constrained request)."""
     # CPU workers share the cores: more OpenMP threads than cores make every one of them sleep at its barriers.
     threads = max(1, torch.get_num_threads() // len(runners)) if settings.device == "cpu" else None
     max_running = device_default(settings, "max_running")
@@ -88,10 +89,11 @@ def start_serving(settings: Settings, runners: list[Runner],
     model_id = settings.served_model_name or runner.name
     digest = hashlib.sha256(f"{__version__}:{model_id}:{runner.dtype}:{runner.quant}:{runner.device}:"
                             f"{runner.deterministic}".encode()).hexdigest()[:10]
-    grammars = GrammarCompiler(runner.tokenizer)
-    # The grammar engine's view of the vocabulary (0.3 s for 49k tokens, 2.4 s for 262k) is built beside serving,
-    # not on the first structured request; that request waits for it only if it comes first. No torch here.
-    threading.Thread(target=grammars.vocabulary, name="grammar-vocabulary", daemon=True).start()
+    grammars = GrammarCompiler(runner.tokenizer) if prepare_grammars else None
+    if grammars is not None:
+        # The grammar engine's view of the vocabulary (0.3 s for 49k tokens, 2.4 s for 262k) is built beside
+        # serving, not on the first structured request; that request waits for it only if it comes first.
+        threading.Thread(target=grammars.vocabulary, name="grammar-vocabulary", daemon=True).start()
     return ModelState(model_id=model_id, runner=runner, pool=pool, fingerprint=f"fp_{digest}",
                       created=int(time.time()), max_prompt_tokens=settings.max_prompt_tokens,
                       stream_timeout=settings.stream_timeout,
@@ -101,13 +103,13 @@ def start_serving(settings: Settings, runners: list[Runner],
 
 
 def _load(settings: Settings, on_worker_failure: Callable[[Worker], None] | None = None,
-          progress: Progress | None = None) -> ModelState:
+          progress: Progress | None = None, prepare_grammars: bool = True) -> ModelState:
     """Load the model for every worker and start serving it (`progress`: default, a bar or log lines)."""
     started = time.perf_counter()
     if progress is None:
         progress = LoadProgress(interactive=None if settings.log_format == "text" else False)
     state = start_serving(settings, [_load_runner(settings, i, progress) for i in range(settings.workers)],
-                          on_worker_failure)
+                          on_worker_failure, prepare_grammars)
     runner, threads = state.runner, state.pool.workers[0].threads
     dense = dense_copy_bytes(runner.model)
     log.info("loaded %s (%s, %s activations, %s weights%s on %s, %d threads, context %d%s) "

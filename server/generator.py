@@ -185,7 +185,8 @@ class Generator:
         if runner.is_encoder:
             raise ValueError(f"{runner.name} is an encoder: it embeds, it does not generate")
         values = Settings(**{"model": runner.name, "device": str(runner.device), **settings})
-        return cls(start_serving(values, [runner]), GenerationConfig.of(config))
+        # No output grammars in this API (yet): the grammar engine's vocabulary is not built for nothing.
+        return cls(start_serving(values, [runner], prepare_grammars=False), GenerationConfig.of(config))
 
     # ---- what is served ----
     @property

@@ -142,7 +142,7 @@ class GeneratorBuilder:
         if self._offline:
             _check_local(settings.model)
         progress = no_progress if self._quiet else None
-        state = await _in_own_thread(lambda: _load(settings, progress=progress))
+        state = await _in_own_thread(lambda: _load(settings, progress=progress, prepare_grammars=False))
         return Generator(state, config)
 
     def build_sync(self) -> SyncGenerator:

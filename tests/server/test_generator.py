@@ -50,9 +50,9 @@ async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
 def test_greedy_generate_is_the_engines_greedy_reference(smollm: Runner, ref: Reference) -> None:
     text_prompt = "The three primary colors are"
     results = run_with(smollm, lambda gen: asyncio.gather(gen.generate(text_prompt), gen.generate(ASK)),
-                       {**GREEDY, "max_tokens": 12})
+                       {**GREEDY, "max_tokens": 8})
     for result, ids in zip(results, (smollm.tokenizer.encode(text_prompt), ref.chat_ids(ASK))):
-        expected = ref.generate(ids, 12)
+        expected = ref.generate(ids, 8)
         assert result.token_ids == expected
         assert result.text == ref.text(expected) and result.finish_reason == ref.finish_reason(expected)
         assert result.prompt_tokens == len(ids) and result.config.temperature == 0.0
@@ -62,7 +62,7 @@ def test_greedy_generate_is_the_engines_greedy_reference(smollm: Runner, ref: Re
 
 
 def test_sixteen_concurrent_calls_are_batched_and_get_what_each_gets_alone(smollm: Runner) -> None:
-    overrides = {**GREEDY, "max_tokens": 8, "ignore_eos": True}
+    overrides = {**GREEDY, "max_tokens": 4, "ignore_eos": True}
 
     async def scenario(gen: Generator) -> None:
         alone = [await gen.generate_with_config(p, overrides) for p in PROMPTS]
@@ -70,7 +70,7 @@ def test_sixteen_concurrent_calls_are_batched_and_get_what_each_gets_alone(smoll
         assert scheduler.peak_running == 1
         together = await asyncio.gather(*(gen.generate_with_config(p, overrides) for p in PROMPTS))
         assert [r.token_ids for r in together] == [r.token_ids for r in alone]
-        assert all(len(r.token_ids) == 8 for r in alone)
+        assert all(len(r.token_ids) == 4 for r in alone)
         assert scheduler.peak_running > 1, "the calls ran one after another"
 
     run_with(smollm, scenario)
@@ -109,23 +109,23 @@ def test_a_stream_carries_the_generations_tokens_and_text(smollm: Runner) -> Non
         pieces = [p async for p in gen.stream_text(ASK)]
         return whole, tokens, pieces
 
-    whole, tokens, pieces = run_with(smollm, scenario, {**GREEDY, "max_tokens": 10})
+    whole, tokens, pieces = run_with(smollm, scenario, {**GREEDY, "max_tokens": 8})
     assert [t.id for t in tokens] == whole.token_ids
     assert "".join(t.text for t in tokens) == "".join(pieces) == whole.text
-    assert [t.logprob for t in tokens] == pytest.approx(whole.logprobs, abs=1e-4)
+    assert [t.logprob for t in tokens] == pytest.approx(whole.logprobs, abs=1e-3)
     assert tokens[-1].finish_reason == whole.finish_reason and all(t.finish_reason is None for t in tokens[:-1])
 
 
 def test_per_call_overrides_replace_the_generators_values_for_that_call(smollm: Runner, ref: Reference) -> None:
     prompt = "1, 2, 3, 4, 5,"
     ids = smollm.tokenizer.encode(prompt)
-    greedy = ref.generate(ids, 12)
+    greedy = ref.generate(ids, 8)
     full = ref.text(greedy)
-    stop, _ = spanning_stop(ref.text, greedy, 2)  # a piece of the greedy continuation across tokens 2 to 4
+    stop, _ = spanning_stop(ref.text, greedy, 1)  # a piece of the greedy continuation across tokens 1 to 3
 
     async def scenario(gen: Generator) -> None:
         base = await gen.generate(prompt)
-        assert len(base.token_ids) == 12 and base.config.max_tokens == 12
+        assert len(base.token_ids) == 8 and base.config.max_tokens == 8
         short = await gen.generate_with_config(prompt, {"max_tokens": 3})
         assert short.token_ids == base.token_ids[:3] and short.finish_reason == "length"
         cut = await gen.generate_with_config(prompt, {"stop": [stop]})
@@ -134,9 +134,9 @@ def test_per_call_overrides_replace_the_generators_values_for_that_call(smollm: 
         assert (warm.config.temperature, warm.config.top_k, warm.config.seed) == (0.8, 5, 3)
         assert (await gen.generate_with_config(prompt, {"temperature": 0.8, "top_k": 5, "seed": 3})).token_ids == \
             warm.token_ids
-        assert gen.generation_config.temperature == 0.0 and gen.generation_config.max_tokens == 12
+        assert gen.generation_config.temperature == 0.0 and gen.generation_config.max_tokens == 8
 
-    run_with(smollm, scenario, {**GREEDY, "max_tokens": 12})
+    run_with(smollm, scenario, {**GREEDY, "max_tokens": 8})
 
 
 def test_presets_apply_under_the_values_a_call_sets(smollm: Runner, ref: Reference) -> None:
@@ -187,18 +187,18 @@ def test_bad_values_are_generation_errors_naming_the_field(smollm: Runner) -> No
 
 def test_the_builder_and_the_sync_wrapper_serve_the_real_model(smollm: Runner, ref: Reference) -> None:
     prompt = "The three primary colors are"
-    expected = ref.generate(smollm.tokenizer.encode(prompt), 8)
-    builder = (Generator.builder("smollm2-135m").cpu().precise().max_tokens(8).prefix_cache(False).offline().quiet()
+    expected = ref.generate(smollm.tokenizer.encode(prompt), 6)
+    builder = (Generator.builder("smollm2-135m").cpu().precise().max_tokens(6).prefix_cache(False).offline().quiet()
                .setting("dtype", "float32").setting("max_context", 512))
     with builder.build_sync() as gen:
         assert isinstance(gen, SyncGenerator)
         assert (gen.model_name, gen.device, gen.context_size, gen.vocab_size) == \
             ("smollm2-135m", "cpu", 512, smollm.vocab_size)
-        assert gen.generation_config.temperature == 0.0 and gen.generation_config.max_tokens == 8
+        assert gen.generation_config.temperature == 0.0 and gen.generation_config.max_tokens == 6
         assert gen.generate(prompt).token_ids == expected
         batch = gen.generate_batch([prompt, ASK, prompt])
         assert batch[0].token_ids == batch[2].token_ids == expected
-        assert batch[1].token_ids == ref.generate(ref.chat_ids(ASK), 8)
+        assert batch[1].token_ids == ref.generate(ref.chat_ids(ASK), 6)
         assert "".join(gen.stream_text(prompt)) == ref.text(expected)
         runner = gen.generator.state.runner
         for i, _ in enumerate(gen.stream(prompt, {"max_tokens": 200, "ignore_eos": True})):
