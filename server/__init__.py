@@ -1,3 +1,24 @@
-"""The OpenAI-compatible HTTP server on top of the engine."""
+"""The OpenAI-compatible HTTP server on top of the engine, and the same serving stack in-process (`Generator`)."""
+from __future__ import annotations
+
+from typing import Any
 
 __version__ = "0.1.0"
+
+# The Python API, imported on first use: `import server.settings` (the CLI, the tests) need not load the app.
+_PUBLIC = {
+    "Generator": "generator", "GenerationConfig": "generator", "GeneratedText": "generator",
+    "GenerationError": "generator", "StreamedToken": "generator", "GeneratorBuilder": "generator_builder",
+    "SyncGenerator": "sync_generator", "available_models": "model_catalog", "suggested_models": "model_catalog",
+    "is_generator_model": "model_catalog", "PRESETS": "presets", "Preset": "presets",
+}
+__all__ = ["__version__", *_PUBLIC]
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'server' has no attribute {name!r}")
+    from importlib import import_module
+
+    return getattr(import_module(f".{module}", __name__), name)

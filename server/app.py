@@ -17,13 +17,15 @@ import torch
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from engine import load_runner
+from engine import Runner, load_runner
+from engine.weights import Progress
 from engine.quant import dense_copy_bytes
 
 from . import __version__
 from .errors import install_error_handlers
 from .metrics import ServerMetrics
 from .openapi import install_openapi
+from .presets import get_preset
 from .progress import LoadProgress
 from .request_context import REQUEST_ID_HEADER, RequestContext
 from .response_store import ResponseStore
@@ -50,54 +52,73 @@ def _worker_device(settings: Settings, index: int) -> str:
     return settings.device
 
 
-def _load(settings: Settings, on_worker_failure: Callable[[Worker], None]) -> ModelState:
-    started = time.perf_counter()
-    workers = []
-    progress = LoadProgress(interactive=None if settings.log_format == "text" else False)
+def _load_runner(settings: Settings, index: int, progress: Progress) -> Runner:
+    """Worker `index`'s runner, loaded as the settings say (and its CUDA graphs captured on a GPU)."""
+    runner = load_runner(settings.model, device=_worker_device(settings, index), dtype=settings.dtype,
+                         quant=settings.quant,
+                         max_context=settings.max_context, kv_cache_memory=settings.kv_cache_memory,
+                         prefix_caching=settings.prefix_caching, progress=progress,
+                         dense_prefill=settings.dense_prefill, deterministic=settings.deterministic)
+    blocks = runner.blocks
+    if blocks is None:
+        log.info("worker %d: %s on %s; an encoder: embeddings only, no KV cache", index, runner.name, runner.device)
+    else:
+        log.info("worker %d: %s on %s; KV cache: %d blocks = %d tokens (%.0f MiB %s), prefix caching %s", index,
+                 runner.name, runner.device, blocks.num_blocks, blocks.num_blocks * blocks.block_size,
+                 runner.cache.nbytes() / 2**20, str(runner.dtype).removeprefix("torch."),
+                 "on" if blocks.prefix_caching else "off")
+    if runner.device.type == "cuda" and settings.cuda_graphs and not runner.is_encoder:
+        runner.capture_cuda_graphs(device_default(settings, "max_running"))
+    return runner
+
+
+def start_serving(settings: Settings, runners: list[Runner], on_worker_failure: Callable[[Worker], None] | None = None,
+                  prepare_grammars: bool = True) -> ModelState:
+    """A worker (thread and scheduler) for each runner, started, and the served model's state over them: what
+    the HTTP app and the in-process `Generator` (server/generator.py) both serve from. `prepare_grammars`: build
+    the grammar engine's vocabulary now, beside serving (else on the first constrained request)."""
     # CPU workers share the cores: more OpenMP threads than cores make every one of them sleep at its barriers.
-    threads = max(1, torch.get_num_threads() // settings.workers) if settings.device == "cpu" else None
+    threads = max(1, torch.get_num_threads() // len(runners)) if settings.device == "cpu" else None
     max_running = device_default(settings, "max_running")
-    for i in range(settings.workers):
-        runner = load_runner(settings.model, device=_worker_device(settings, i), dtype=settings.dtype,
-                             quant=settings.quant,
-                             max_context=settings.max_context, kv_cache_memory=settings.kv_cache_memory,
-                             prefix_caching=settings.prefix_caching, progress=progress,
-                             dense_prefill=settings.dense_prefill, deterministic=settings.deterministic)
-        blocks = runner.blocks
-        if blocks is None:
-            log.info("worker %d: %s on %s; an encoder: embeddings only, no KV cache", i, runner.name, runner.device)
-        else:
-            log.info("worker %d: %s on %s; KV cache: %d blocks = %d tokens (%.0f MiB %s), prefix caching %s", i,
-                     runner.name, runner.device, blocks.num_blocks, blocks.num_blocks * blocks.block_size,
-                     runner.cache.nbytes() / 2**20, str(runner.dtype).removeprefix("torch."),
-                     "on" if blocks.prefix_caching else "off")
-        if runner.device.type == "cuda" and settings.cuda_graphs and not runner.is_encoder:
-            runner.capture_cuda_graphs(max_running)
-        max_batched_tokens = device_default(settings, "max_batched_tokens", encoder=runner.is_encoder)
-        workers.append(Worker(runner, f"worker-{i}", max_batched_tokens=max_batched_tokens,
-                              max_running=max_running, threads=threads, on_failure=on_worker_failure))
+    workers = [Worker(runner, f"worker-{i}", max_running=max_running, threads=threads, on_failure=on_worker_failure,
+                      max_batched_tokens=device_default(settings, "max_batched_tokens", encoder=runner.is_encoder))
+               for i, runner in enumerate(runners)]
     pool = WorkerPool(workers, settings.max_queued)
     pool.start()
-    runner = workers[0].runner
+    runner = runners[0]
     model_id = settings.served_model_name or runner.name
     digest = hashlib.sha256(f"{__version__}:{model_id}:{runner.dtype}:{runner.quant}:{runner.device}:"
                             f"{runner.deterministic}".encode()).hexdigest()[:10]
-    dense = dense_copy_bytes(runner.model)
-    log.info("loaded %s (%s, %s activations, %s weights%s on %s, %d threads, context %d%s) "
-             "in %.1fs", model_id, runner.family, str(runner.dtype).removeprefix("torch."),
-             runner.quant if runner.quant != "none" else "dense",
-             f" + a bfloat16 copy for prefill ({dense / 2**20:.0f} MiB)" if dense else "",
-             runner.device, threads or torch.get_num_threads(), runner.context_size,
-             ", deterministic steps" if runner.deterministic else "", time.perf_counter() - started)
-    grammars = GrammarCompiler(runner.tokenizer)
-    # The grammar engine's view of the vocabulary (0.3 s for 49k tokens, 2.4 s for 262k) is built beside serving,
-    # not on the first structured request; that request waits for it only if it comes first. No torch here.
-    threading.Thread(target=grammars.vocabulary, name="grammar-vocabulary", daemon=True).start()
+    grammars = GrammarCompiler(runner.tokenizer) if prepare_grammars else None
+    if grammars is not None:
+        # The grammar engine's view of the vocabulary (0.3 s for 49k tokens, 2.4 s for 262k) is built beside
+        # serving, not on the first structured request; that request waits for it only if it comes first.
+        threading.Thread(target=grammars.vocabulary, name="grammar-vocabulary", daemon=True).start()
     return ModelState(model_id=model_id, runner=runner, pool=pool, fingerprint=f"fp_{digest}",
                       created=int(time.time()), max_prompt_tokens=settings.max_prompt_tokens,
                       stream_timeout=settings.stream_timeout,
                       parse_special_in_messages=settings.parse_special_in_messages, grammars=grammars,
-                      embeddings=settings.embeddings or runner.is_encoder, pooling=settings.pooling)
+                      embeddings=settings.embeddings or runner.is_encoder, pooling=settings.pooling,
+                      preset=get_preset(settings.preset) if settings.preset is not None else None)
+
+
+def _load(settings: Settings, on_worker_failure: Callable[[Worker], None] | None = None,
+          progress: Progress | None = None, prepare_grammars: bool = True) -> ModelState:
+    """Load the model for every worker and start serving it (`progress`: default, a bar or log lines)."""
+    started = time.perf_counter()
+    if progress is None:
+        progress = LoadProgress(interactive=None if settings.log_format == "text" else False)
+    state = start_serving(settings, [_load_runner(settings, i, progress) for i in range(settings.workers)],
+                          on_worker_failure, prepare_grammars)
+    runner, threads = state.runner, state.pool.workers[0].threads
+    dense = dense_copy_bytes(runner.model)
+    log.info("loaded %s (%s, %s activations, %s weights%s on %s, %d threads, context %d%s) "
+             "in %.1fs", state.model_id, runner.family, str(runner.dtype).removeprefix("torch."),
+             runner.quant if runner.quant != "none" else "dense",
+             f" + a bfloat16 copy for prefill ({dense / 2**20:.0f} MiB)" if dense else "",
+             runner.device, threads or torch.get_num_threads(), runner.context_size,
+             ", deterministic steps" if runner.deterministic else "", time.perf_counter() - started)
+    return state
 
 
 async def _in_own_thread(fn: Callable[[], T]) -> T:
@@ -151,7 +172,8 @@ async def _load_in_background(app: FastAPI, settings: Settings) -> None:
                                            ResponseStore(settings.responses_store_size, settings.responses_store_ttl))
     app.state.messages = MessagesServing(state, app.state.metrics)
     app.state.embeddings = EmbeddingServing(state, app.state.metrics)
-    log.info("serving %s at http://%s:%d/v1%s", state.model_id, settings.host, settings.port,
+    log.info("serving %s at http://%s:%d/v1%s%s", state.model_id, settings.host, settings.port,
+             f" with the {settings.preset} preset" if settings.preset else "",
              " (API key required)" if settings.api_key else "")
 
 

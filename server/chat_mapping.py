@@ -102,7 +102,7 @@ class ChatMappedServing(OpenAIServing):
         """The chat's Generation, queued for a worker (429 when the queue is full)."""
         ids = await self.prompt_ids(chat)
         with self.own_field_names():
-            max_tokens = self.max_tokens(len(ids), chat.max_completion_tokens)
+            max_tokens = self.completion_budget(chat, len(ids), "max_completion_tokens")
             params = self.sampling_params(chat, False, 0)
             gen = self.new_generation(chat, ids, params, max_tokens, rid, arrival)
         self.submit([gen])

@@ -1,4 +1,4 @@
-"""`emberserve serve | models | generate`: the command line (also `python -m server`)."""
+"""`emberserve serve | models | presets | generate`: the command line (also `python -m server`)."""
 from __future__ import annotations
 
 import argparse
@@ -17,6 +17,7 @@ from . import __version__
 from .app import create_app
 from .lifecycle import DrainingServer
 from .logs import configure_logging
+from .presets import presets_text
 from .settings import Settings, env_name, flag_name
 
 EXIT_LOAD_FAILED = 3
@@ -88,12 +89,19 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _presets(_: argparse.Namespace) -> int:
+    print(presets_text())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="emberserve", description="OpenAI-compatible LLM server")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over the OpenAI API")
     _settings_arguments(serve)
     serve.set_defaults(func=_serve)
+    sub.add_parser("presets", help="list the generation presets (--preset, a request's \"preset\")").set_defaults(
+        func=_presets)
     add_commands(sub)
     return run(parser.parse_args(argv))
 

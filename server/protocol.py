@@ -6,6 +6,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
+from .presets import PresetName
+
 
 # Numbers OpenAI documents as limits.
 MAX_STOP_STRINGS = 4
@@ -60,6 +62,9 @@ class OpenAIRequest(BaseModel):
     user: Text | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
+    preset: PresetName | None = Field(
+        None, description="a named sampling profile (emberserve's extension): fills the sampling fields and "
+                          "max_tokens this request leaves out")
 
     @field_validator("stop")
     @classmethod

@@ -5,6 +5,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
+from .presets import PresetName
 from .protocol import STRICT_ALLOW_EXTRA, Text
 
 # Content parts an input message may carry: its own text, or an earlier answer's text given back as input.
@@ -56,6 +57,9 @@ class ResponsesRequest(BaseModel):
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
+    preset: PresetName | None = Field(
+        None, description="a named sampling profile (emberserve's extension): fills temperature, top_p, the other "
+                          "sampling values and max_output_tokens where the request leaves them out")
     stream: bool = False
     store: bool = True
     previous_response_id: Text | None = None

@@ -97,6 +97,7 @@ class Scheduler:
         self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         self.generated_tokens = 0
         self.preemptions = 0
+        self.peak_running = 0  # the most sequences one step has run together, since start
         self.num_queued = 0  # generations not started yet (read from other threads: one int, always current)
         self.events = EventBatch()
         self.embeddings = EmbeddingSteps(runner, max_batched_tokens)
@@ -287,6 +288,7 @@ class Scheduler:
         """Advance every scheduled sequence by one forward pass and handle what it produced."""
         self.drop_cancelled()
         self._stepping = self._schedule()
+        self.peak_running = max(self.peak_running, len(self.running))
         early = self._start_masks(self._stepping)
         done = self._forward(self._stepping)
         if done is None:

@@ -17,6 +17,7 @@ from .errors import APIError, invalid
 from .generation import Event, Generation, GenerationDone, GenerationFailed
 from .grammar import CompiledGrammar, GrammarCompiler, GrammarSpec, StructuredOutputError
 from .metrics import ServerMetrics
+from .presets import PRESETS, Preset, layered_defaults
 from .protocol import OpenAIRequest, TopLogprob, Usage
 from .request_context import current_request
 from .sampling import SamplingParams
@@ -45,6 +46,7 @@ class ModelState:
     grammars: GrammarCompiler | None = None  # compiled output grammars (structured outputs, tool calls), cached
     embeddings: bool = False              # serves POST /v1/embeddings (an encoder always; a decoder with --embeddings)
     pooling: str | None = None            # the embeddings' pooling (None: the runner's own)
+    preset: Preset | None = None          # the server's preset (--preset): requests start from its values
 
 
 def check_model(state: ModelState, name: str) -> None:
@@ -101,9 +103,15 @@ class OpenAIServing:
         if req.model_extra:
             log.info("ignoring unknown request fields: %s", ", ".join(sorted(req.model_extra)))
 
+    def defaults(self, req: OpenAIRequest) -> dict[str, Any]:
+        """Values for the fields `req` leaves out: the model's generation defaults, under the server's preset,
+        under the request's (server/presets.py)."""
+        return layered_defaults(self.runner.generation_defaults, self.state.preset,
+                                PRESETS[req.preset] if req.preset is not None else None)
+
     def sampling_params(self, req: OpenAIRequest, logprobs: bool, top_logprobs: int) -> SamplingParams:
-        """The request's sampling values, with the model's generation defaults for those it leaves out."""
-        defaults = self.runner.generation_defaults
+        """The request's sampling values; for those it leaves out, its preset's, the server's or the model's."""
+        defaults = self.defaults(req)
 
         def pick(name: str, fallback: float | int) -> float | int:
             value = getattr(req, name)
@@ -117,6 +125,18 @@ class OpenAIServing:
                 logit_bias=self.logit_bias(req), seed=req.seed, logprobs=logprobs, top_logprobs=top_logprobs)
         except ValueError as e:
             raise invalid(str(e)) from None
+
+    def completion_budget(self, req: OpenAIRequest, prompt_len: int, *fields: str) -> int:
+        """The completion budget of a prompt: the first of `fields` the request sets, else its preset's (or the
+        server's) max_tokens clipped to the context, else the first field's own default (None: the rest of the
+        context); checked against the context as `max_tokens` checks it."""
+        for name in fields:
+            if name in req.model_fields_set and getattr(req, name) is not None:
+                return self.max_tokens(prompt_len, getattr(req, name))
+        preset_budget = self.defaults(req).get("max_tokens")
+        if preset_budget is not None:
+            return min(preset_budget, self.max_tokens(prompt_len, None))
+        return self.max_tokens(prompt_len, getattr(req, fields[0]))
 
     def logit_bias(self, req: OpenAIRequest) -> dict[int, float]:
         bias = {int(k): float(v) for k, v in (req.logit_bias or {}).items()}

@@ -83,8 +83,7 @@ class ChatServing(OpenAIServing):
             spec = tools.grammar  # the calls' grammar, with the response_format's answer in it
         grammar = await self.compile_grammar(spec)
         ids = await run_in_threadpool(chat_prompt_ids, self.state, req.messages, req.add_generation_prompt, tools)
-        budget = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        max_tokens = self.max_tokens(len(ids), budget)
+        max_tokens = self.completion_budget(req, len(ids), "max_completion_tokens", "max_tokens")
         params = self.sampling_params(req, req.logprobs, req.top_logprobs or 0)
         rid = request_id("chatcmpl")
         gen = self.new_generation(req, ids, params, max_tokens, rid, arrival, grammar=grammar)

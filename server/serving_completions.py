@@ -75,8 +75,8 @@ class CompletionServing(OpenAIServing):
         params = self.sampling_params(req, top_n is not None, top_n or 0)
         rid = request_id("cmpl")
         channel: asyncio.Queue[Any] = asyncio.Queue()  # every prompt's events, as they come
-        gens = [self.new_generation(req, p.ids, params, self.max_tokens(len(p.ids), req.max_tokens), rid, arrival,
-                                    prompt_logprobs=top_n if req.echo and top_n is not None else None,
+        gens = [self.new_generation(req, p.ids, params, self.completion_budget(req, len(p.ids), "max_tokens"),
+                                    rid, arrival, prompt_logprobs=top_n if req.echo and top_n is not None else None,
                                     index=i, channel=channel, grammar=grammar)
                 for i, p in enumerate(prompts)]
         self.submit(gens)

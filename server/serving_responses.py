@@ -74,7 +74,7 @@ def chat_fields(req: ResponsesRequest, history: list[Message], inputs: list[Mess
     """The chat completion request that a Responses request is."""
     system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     return {"model": req.model, "messages": system + history + inputs, "max_completion_tokens": req.max_output_tokens,
-            "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream}
+            "temperature": req.temperature, "top_p": req.top_p, "preset": req.preset, "stream": req.stream}
 
 
 def _new_id(prefix: str) -> str:

@@ -14,6 +14,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from engine.registry import DEFAULT_MODEL
 
+from .presets import PresetName
+
 ENV_PREFIX = "EMBERSERVE_"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -51,6 +53,9 @@ class Settings(BaseSettings):
                           "model on CPU unless dtype is float32, else none")
     max_context: PositiveInt | None = Field(None, description="cap the context below the model's")
     served_model_name: str | None = Field(None, description="the model id clients send (default: the model's name)")
+    preset: PresetName | None = Field(
+        None, description="the sampling profile requests start from: fast, balanced, quality, creative, code or "
+                          "precise (`emberserve presets` lists their values); a request's own preset or fields win")
     workers: PositiveInt = Field(1, description="runners, each on its own thread (with device cuda: one per GPU)")
     max_queued: int = Field(256, ge=0, description="waiting requests per worker before answering 429; also the "
                                                    "most prompts one completions request may list")
@@ -126,7 +131,7 @@ class Settings(BaseSettings):
                              "enableServiceLinks: false on the pod, or EMBERSERVE_PORT explicitly")
         return value
 
-    @field_validator("dtype", "quant", "pooling", "log_level", "log_format", mode="before")
+    @field_validator("dtype", "quant", "preset", "pooling", "log_level", "log_format", mode="before")
     @classmethod
     def _lower(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value
