@@ -17,7 +17,7 @@ import torch
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from engine import load_runner
+from engine import Runner, load_runner
 from engine.quant import dense_copy_bytes
 
 from . import __version__
@@ -37,6 +37,8 @@ from .serving_messages import MessagesServing
 from .serving_responses import ResponsesServing
 from .serving_embeddings import EmbeddingServing
 from .settings import Settings, device_default
+from .speculation import SpeculativeConfig, Speculator
+from .draft_model import DraftModel, vocabulary_mismatch
 from .worker import Worker, WorkerPool
 
 log = logging.getLogger("emberserve")
@@ -48,6 +50,32 @@ def _worker_device(settings: Settings, index: int) -> str:
     if settings.workers > 1 and settings.device == "cuda":
         return f"cuda:{index}"
     return settings.device
+
+
+# --draft-model names that mean the served model itself, quantized (a cheaper copy of the same vocabulary).
+SELF_DRAFTS = {"self-int4": "int4", "self-int8": "int8"}
+
+
+def _speculator(settings: Settings, runner: Runner, device: str, progress: LoadProgress) -> Speculator | None:
+    """The worker's speculative decoding, with its draft model loaded beside the target; None when off."""
+    method = settings.speculative_method
+    if method is None or runner.is_encoder:
+        return None
+    config = SpeculativeConfig(method, settings.num_speculative_tokens, settings.ngram_min, settings.ngram_max,
+                               settings.speculative_disable_by_batch_size)
+    if method == "ngram":
+        return Speculator(config)
+    name, quant = settings.draft_model, SELF_DRAFTS.get(settings.draft_model)
+    draft = load_runner(settings.model if quant else name, device=device, quant=quant,
+                        dtype="bfloat16" if quant else settings.dtype, max_context=runner.context_size,
+                        prefix_caching=settings.prefix_caching, progress=progress,
+                        dense_prefill=settings.dense_prefill)
+    mismatch = vocabulary_mismatch(runner, draft)
+    if mismatch is not None:
+        raise ValueError(mismatch)
+    log.info("draft model %s (%s weights) proposes up to %d tokens per step", name,
+             draft.quant if draft.quant != "none" else "dense", settings.num_speculative_tokens)
+    return Speculator(config, DraftModel(draft))
 
 
 def _load(settings: Settings, on_worker_failure: Callable[[Worker], None]) -> ModelState:
@@ -74,8 +102,10 @@ def _load(settings: Settings, on_worker_failure: Callable[[Worker], None]) -> Mo
         if runner.device.type == "cuda" and settings.cuda_graphs and not runner.is_encoder:
             runner.capture_cuda_graphs(max_running)
         max_batched_tokens = device_default(settings, "max_batched_tokens", encoder=runner.is_encoder)
+        speculator = _speculator(settings, runner, _worker_device(settings, i), progress)
         workers.append(Worker(runner, f"worker-{i}", max_batched_tokens=max_batched_tokens,
-                              max_running=max_running, threads=threads, on_failure=on_worker_failure))
+                              max_running=max_running, threads=threads, on_failure=on_worker_failure,
+                              speculator=speculator))
     pool = WorkerPool(workers, settings.max_queued)
     pool.start()
     runner = workers[0].runner

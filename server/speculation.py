@@ -1,0 +1,124 @@
+"""`Speculator`: which decoding rows speculate each step, how many tokens they draft, and the acceptance figures.
+
+The scheduler asks it for draft tokens before a step (prompt lookup, server/ngram.py, or a draft model,
+server/draft_model.py), verifies them in the step's one target forward pass (server/speculative_sampling.py), and
+tells it how many were accepted.
+
+Adaptive: each row keeps a moving average of the fraction of its drafts that were accepted. A row drafts
+k = ceil(K x that rate) tokens (so fewer when few are accepted), and one whose rate falls below `PAUSE_BELOW`
+stops speculating for a while, longer each time it fails again; text that does not copy its context then decodes
+as without speculation, but for an occasional probe. With `disable_by_batch_size`, no row speculates in a step of
+more decoding rows than that: in a big batch the target's pass is no longer dominated by reading its weights, and
+verifying drafts costs nearly what decoding them would.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .draft_model import DraftModel
+from .ngram import NgramIndex
+
+SpeculativeMethod = Literal["ngram", "draft"]
+RATE_WEIGHT = 0.3  # weight of the latest step in a row's moving acceptance rate
+PAUSE_BELOW = 0.25  # a row whose rate falls below this stops speculating for a while
+FIRST_PAUSE, LONGEST_PAUSE = 8, 128  # steps; doubled on every pause in a row
+PROBE_RATE = 0.4  # where the rate starts again after a pause: one more failed probe pauses it again
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: SpeculativeMethod
+    num_tokens: int = 4  # K: most tokens a row drafts per step
+    ngram_min: int = 1
+    ngram_max: int = 4
+    disable_by_batch_size: int | None = None
+
+
+@dataclass
+class _RowState:
+    index: NgramIndex | None
+    rate: float = 1.0
+    pause: int = 0
+    next_pause: int = FIRST_PAUSE
+
+    def draft_length(self, most: int) -> int:
+        return max(1, min(most, math.ceil(most * self.rate)))
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.rate += RATE_WEIGHT * (accepted / drafted - self.rate)
+        if self.rate < PAUSE_BELOW:
+            self.pause, self.next_pause = self.next_pause, min(2 * self.next_pause, LONGEST_PAUSE)
+            self.rate = PROBE_RATE
+        elif self.rate >= 2 * PAUSE_BELOW:
+            self.next_pause = FIRST_PAUSE
+
+
+@dataclass
+class SpeculationStats:
+    """vLLM's spec_decode counters: drafts (rows that speculated, once per step), drafted and accepted tokens, and
+    accepted tokens by draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+
+class Speculator:
+    """Draft tokens for a scheduler's decoding rows (keyed by the scheduler's row objects) and their figures."""
+
+    def __init__(self, config: SpeculativeConfig, draft: DraftModel | None = None) -> None:
+        if (config.method == "draft") != (draft is not None):
+            raise ValueError("a draft model is needed for method 'draft', and only for it")
+        if config.num_tokens < 1:
+            raise ValueError(f"num_tokens must be at least 1, got {config.num_tokens}")
+        self.config, self.draft = config, draft
+        self._rows: dict[object, _RowState] = {}
+        self.stats = SpeculationStats(accepted_per_position=[0] * config.num_tokens)
+
+    def retain(self, keys: Collection[object]) -> None:
+        """Forget the rows not in `keys` (they finished, failed or were preempted)."""
+        keys = set(keys)
+        for key in [k for k in self._rows if k not in keys]:
+            del self._rows[key]
+        if self.draft is not None:
+            self.draft.retain(keys)
+
+    def propose(self, rows: Sequence[tuple[object, Sequence[int], int]]) -> dict[object, list[int]]:
+        """Draft tokens for the (key, tokens, at most) rows that speculate this step: `tokens` is the row's whole
+        sequence so far, `at most` how many it may draft (its remaining max_tokens and context)."""
+        cfg = self.config
+        if cfg.disable_by_batch_size is not None and len(rows) > cfg.disable_by_batch_size:
+            return {}
+        wanted: list[tuple[object, Sequence[int], int]] = []
+        for key, tokens, most in rows:
+            state = self._rows.get(key)
+            if state is None:
+                index = NgramIndex(cfg.ngram_min, cfg.ngram_max) if cfg.method == "ngram" else None
+                state = self._rows[key] = _RowState(index)
+            if state.pause > 0:
+                state.pause -= 1
+                continue
+            k = min(state.draft_length(cfg.num_tokens), most)
+            if k > 0:
+                wanted.append((key, tokens, k))
+        if self.draft is not None:
+            proposals = self.draft.propose(wanted)
+        else:
+            proposals = {key: self._rows[key].index.propose(tokens, k) for key, tokens, k in wanted}
+        return {key: drafts for key, drafts in proposals.items() if drafts}
+
+    def record(self, key: object, drafted: int, accepted: int) -> None:
+        """A row's verified step: `accepted` of its `drafted` tokens were kept."""
+        stats = self.stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += drafted
+        stats.num_accepted_tokens += accepted
+        for i in range(accepted):
+            stats.accepted_per_position[i] += 1
+        state = self._rows.get(key)
+        if state is not None:
+            state.record(drafted, accepted)
