@@ -56,7 +56,7 @@ def _worker_device(settings: Settings, index: int) -> str:
 SELF_DRAFTS = {"self-int4": "int4", "self-int8": "int8"}
 
 
-def _speculator(settings: Settings, runner: Runner, device: str, progress: LoadProgress) -> Speculator | None:
+def load_speculator(settings: Settings, runner: Runner, device: str, progress: LoadProgress) -> Speculator | None:
     """The worker's speculative decoding, with its draft model loaded beside the target; None when off."""
     method = settings.speculative_method
     if method is None or runner.is_encoder:
@@ -67,7 +67,7 @@ def _speculator(settings: Settings, runner: Runner, device: str, progress: LoadP
         return Speculator(config)
     name, quant = settings.draft_model, SELF_DRAFTS.get(settings.draft_model)
     draft = load_runner(settings.model if quant else name, device=device, quant=quant,
-                        dtype="bfloat16" if quant else settings.dtype, max_context=runner.context_size,
+                        dtype="bfloat16" if quant else settings.dtype, max_context=settings.max_context,
                         prefix_caching=settings.prefix_caching, progress=progress,
                         dense_prefill=settings.dense_prefill)
     mismatch = vocabulary_mismatch(runner, draft)
@@ -102,7 +102,7 @@ def _load(settings: Settings, on_worker_failure: Callable[[Worker], None]) -> Mo
         if runner.device.type == "cuda" and settings.cuda_graphs and not runner.is_encoder:
             runner.capture_cuda_graphs(max_running)
         max_batched_tokens = device_default(settings, "max_batched_tokens", encoder=runner.is_encoder)
-        speculator = _speculator(settings, runner, _worker_device(settings, i), progress)
+        speculator = load_speculator(settings, runner, _worker_device(settings, i), progress)
         workers.append(Worker(runner, f"worker-{i}", max_batched_tokens=max_batched_tokens,
                               max_running=max_running, threads=threads, on_failure=on_worker_failure,
                               speculator=speculator))

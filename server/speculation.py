@@ -13,6 +13,7 @@ verifying drafts costs nearly what decoding them would.
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from typing import Literal
 from .draft_model import DraftModel
 from .ngram import NgramIndex
 
+log = logging.getLogger("emberserve.speculative")
 SpeculativeMethod = Literal["ngram", "draft"]
 RATE_WEIGHT = 0.3  # weight of the latest step in a row's moving acceptance rate
 PAUSE_BELOW = 0.25  # a row whose rate falls below this stops speculating for a while
@@ -106,7 +108,12 @@ class Speculator:
             if k > 0:
                 wanted.append((key, tokens, k))
         if self.draft is not None:
-            proposals = self.draft.propose(wanted)
+            try:
+                proposals = self.draft.propose(wanted)
+            except Exception:  # the draft is an optimisation: a failing one must not fail the target's requests
+                log.exception("the draft model failed; this step does not speculate")
+                self.draft.retain(())
+                return {}
         else:
             proposals = {key: self._rows[key].index.propose(tokens, k) for key, tokens, k in wanted}
         return {key: drafts for key, drafts in proposals.items() if drafts}
