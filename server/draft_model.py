@@ -4,8 +4,10 @@ The draft has its own Runner on the same device, with its own paged KV cache (an
 row keeps a draft sequence that mirrors its tokens: a step first brings every row's draft sequence up to its real
 tokens (the tokens accepted since, and the target's own; a new row prefills its prompt, mostly from the draft's
 prefix cache), which gives each row's first draft token, then decodes the rows together, one batched draft
-forward pass per further drafted position. Draft tokens are the draft's argmax: a deterministic proposal, which
-the target's rejection sampling (server/speculative_sampling.py) keeps exact for greedy and sampled rows alike.
+forward pass per further drafted position. A greedy row drafts the draft's argmax; a sampled row draws its drafts
+from the draft's distribution processed by the row's own sampler (bias, penalties, temperature, top-k/p, min-p:
+`sampling_probs`), and hands that distribution on for the target's rejection sampling
+(server/speculative_sampling.py), which keeps the output exactly the target's either way.
 
 What the target rejects is rolled back in the draft's cache too, when the row next comes to propose.
 """
@@ -20,6 +22,9 @@ import torch
 from engine import Runner
 from engine.batch import StepRow
 from engine.block_manager import KVSequence
+
+from .sampling import SequenceSampler, draw_from, sampling_probs
+from .speculative_sampling import Proposal
 
 log = logging.getLogger("emberserve.speculative")
 
@@ -82,10 +87,12 @@ class DraftModel:
         return seq
 
     @torch.inference_mode()
-    def propose(self, rows: Sequence[tuple[object, Sequence[int], int]]) -> dict[object, list[int]]:
-        """Up to k draft tokens for each (key, tokens, k) row; a row the draft's cache cannot hold now gets none."""
+    def propose(self, rows: Sequence[tuple[object, Sequence[int], int, SequenceSampler]]) -> dict[object, Proposal]:
+        """Up to k draft tokens for each (key, tokens, k, sampler) row; a row the draft's cache cannot hold now gets
+        none."""
         blocks, active = self.runner.blocks, []
-        for key, tokens, k in rows:
+        samplers = {key: sampler for key, _, _, sampler in rows if not sampler.params.is_greedy()}
+        for key, tokens, k, _ in rows:
             k = min(k, self.runner.context_size - len(tokens) + 1)
             if k <= 0:
                 continue
@@ -101,9 +108,20 @@ class DraftModel:
             blocks.allocate(seq, len(tokens) + k - 1)
             active.append((key, seq, k))
         drafts: dict[object, list[int]] = {key: [] for key, _, _ in active}
+        probs: dict[object, list[torch.Tensor]] = {key: [] for key, _, _ in active if key in samplers}
         step = [StepRow(seq, seq.num_computed, len(seq.tokens)) for _, seq, _ in active]
         while active:
-            picked = self.runner.step(step).argmax(-1).tolist()
+            logits = self.runner.step(step)
+            picked = logits.argmax(-1).tolist()
+            sampled = [i for i, (key, _, _) in enumerate(active) if key in samplers]
+            if sampled:
+                # The row's sampler as it will stand at this position: penalising the drafts before it.
+                views = [samplers[active[i][0]].lookahead(drafts[active[i][0]])[-1] for i in sampled]
+                q = sampling_probs(logits[sampled] if len(sampled) < len(active) else logits, views)
+                u = torch.tensor([v.draw_uniform() for v in views], dtype=torch.float64)
+                for j, (i, token) in enumerate(zip(sampled, draw_from(q, u).tolist())):
+                    picked[i] = token
+                    probs[active[i][0]].append(q[j])
             going = []
             for (key, seq, k), token in zip(active, picked):
                 drafts[key].append(token)
@@ -112,4 +130,5 @@ class DraftModel:
                     going.append((key, seq, k))
             active = going
             step = [StepRow(seq, len(seq.tokens) - 1, len(seq.tokens)) for _, seq, _ in active]
-        return drafts
+        return {key: Proposal(tokens, torch.stack(probs[key]) if key in probs else None)
+                for key, tokens in drafts.items()}

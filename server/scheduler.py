@@ -32,7 +32,7 @@ from .generation import ChoiceDelta, EventBatch, Generation, GenerationDone, Gen
 from .grammar import GrammarMatcher, fill_bitmasks
 from .sampling import SequenceSampler, sample_batch
 from .speculation import Speculator
-from .speculative_sampling import DraftCheck, verify_drafts
+from .speculative_sampling import DraftCheck, Proposal, verify_drafts
 from .stopping import StopChecker, StopUpdate
 from .token_bitmask import allocate_bitmask
 
@@ -99,7 +99,7 @@ class Scheduler:
         # Speculative decoding: each speculating unit's drafted tokens this step (appended to its tokens, computed
         # with its last token in one row, verified after the pass); see _propose and _verify.
         self.speculator = speculator
-        self._drafts: dict[Unit, list[int]] = {}
+        self._drafts: dict[Unit, Proposal] = {}
         self._stepping: list[Unit] = []  # the units of the step under way, failed together if it crashes
         self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         self.generated_tokens = 0
@@ -207,14 +207,15 @@ class Scheduler:
             if self._refused(unit, take):
                 running = set(self.running)
                 continue
-            drafts = proposals.get(unit, [])[:max(0, min(spare, budget - take))]
+            proposal = proposals.get(unit)
+            drafts = proposal.cut(max(0, min(spare, budget - take))) if proposal is not None else None
             # Speculation never preempts: drafts go only where their blocks are free beside one for each sequence.
-            if drafts and blocks.can_allocate(unit.kv, unit.kv.num_computed + take + len(drafts),
-                                              reserve=len(self.running)):
-                take += len(drafts)
-                spare -= len(drafts)
+            if drafts and drafts.tokens and blocks.can_allocate(
+                    unit.kv, unit.kv.num_computed + take + len(drafts.tokens), reserve=len(self.running)):
+                take += len(drafts.tokens)
+                spare -= len(drafts.tokens)
             else:
-                drafts = []
+                drafts = None
             fits = blocks.can_allocate(unit.kv, unit.kv.num_computed + take)
             while not fits and self._preempt_newest(unit, self._take):
                 running = set(self.running)
@@ -225,8 +226,8 @@ class Scheduler:
                 self.waiting.appendleft(unit)
                 continue
             blocks.allocate(unit.kv, unit.kv.num_computed + take)
-            if drafts:
-                unit.kv.tokens.extend(drafts)
+            if drafts is not None:
+                unit.kv.tokens.extend(drafts.tokens)
                 self._drafts[unit] = drafts
             self._take[unit] = take
             chosen.append(unit)
@@ -273,7 +274,7 @@ class Scheduler:
             budget -= take
         return chosen
 
-    def _propose(self) -> dict[Unit, list[int]]:
+    def _propose(self) -> dict[Unit, Proposal]:
         """Draft tokens of the decoding choices that speculate this step (none while grammar-constrained)."""
         spec = self.speculator
         if spec is None:
@@ -288,7 +289,7 @@ class Scheduler:
             if unit.gen.max_tokens is not None:
                 most = min(most, unit.gen.max_tokens - unit.stopper.num_tokens - 1)
             if most > 0:
-                rows.append((unit, unit.kv.tokens, most))
+                rows.append((unit, unit.kv.tokens, most, unit.sampler))
         return spec.propose(rows)  # type: ignore[return-value]
 
     def _rows(self, units: list[Unit]) -> list[StepRow]:
@@ -482,19 +483,19 @@ class Scheduler:
         checks, index = [], []
         for unit, row, offset in speculated:
             drafts = self._drafts[unit]
-            views = unit.sampler.lookahead(drafts)
+            views = unit.sampler.lookahead(drafts.tokens)
             ends = self._end_ids(unit.gen)
             for i, view in enumerate(views):  # min_tokens: position i makes the choice's token num_tokens + i + 1
                 early_end = unit.stopper.num_tokens + i < unit.gen.min_tokens and not unit.gen.ignore_eos
                 view.suppressed = ends if early_end else None
-            checks.append(DraftCheck(drafts, views))
-            index += range(offset, offset + len(drafts) + 1)
+            checks.append(DraftCheck(drafts.tokens, views, drafts.probs))
+            index += range(offset, offset + len(drafts.tokens) + 1)
         rows = logits if index == list(range(len(logits))) else \
             logits.index_select(0, torch.tensor(index, device=logits.device))
         for (unit, row, _), result in zip(speculated, verify_drafts(rows, checks)):
             if unit.gen not in self._gens:  # failed by a choice before it
                 continue
-            self.speculator.record(unit, len(self._drafts[unit]), result.accepted)
+            self.speculator.record(unit, len(self._drafts[unit].tokens), result.accepted)
             self.runner.rollback_sequence(unit.kv, row.start + 1 + result.accepted)
             for j, s in enumerate(result.sampled):
                 # The accepted drafts are already the sequence's tokens (computed); the last token is new.

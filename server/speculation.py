@@ -21,6 +21,8 @@ from typing import Literal
 
 from .draft_model import DraftModel
 from .ngram import NgramIndex
+from .sampling import SequenceSampler
+from .speculative_sampling import Proposal
 
 log = logging.getLogger("emberserve.speculative")
 SpeculativeMethod = Literal["ngram", "draft"]
@@ -89,14 +91,15 @@ class Speculator:
         if self.draft is not None:
             self.draft.retain(keys)
 
-    def propose(self, rows: Sequence[tuple[object, Sequence[int], int]]) -> dict[object, list[int]]:
-        """Draft tokens for the (key, tokens, at most) rows that speculate this step: `tokens` is the row's whole
-        sequence so far, `at most` how many it may draft (its remaining max_tokens and context)."""
+    def propose(self, rows: Sequence[tuple[object, Sequence[int], int, SequenceSampler]]) -> dict[object, Proposal]:
+        """Draft tokens for the (key, tokens, at most, sampler) rows that speculate this step: `tokens` is the row's
+        whole sequence so far, `at most` how many it may draft (its remaining max_tokens and context), `sampler`
+        its sampling (a draft model samples its drafts the same way)."""
         cfg = self.config
         if cfg.disable_by_batch_size is not None and len(rows) > cfg.disable_by_batch_size:
             return {}
-        wanted: list[tuple[object, Sequence[int], int]] = []
-        for key, tokens, most in rows:
+        wanted: list[tuple[object, Sequence[int], int, SequenceSampler]] = []
+        for key, tokens, most, sampler in rows:
             state = self._rows.get(key)
             if state is None:
                 index = NgramIndex(cfg.ngram_min, cfg.ngram_max) if cfg.method == "ngram" else None
@@ -106,7 +109,7 @@ class Speculator:
                 continue
             k = min(state.draft_length(cfg.num_tokens), most)
             if k > 0:
-                wanted.append((key, tokens, k))
+                wanted.append((key, tokens, k, sampler))
         if self.draft is not None:
             try:
                 proposals = self.draft.propose(wanted)
@@ -115,8 +118,8 @@ class Speculator:
                 self.draft.retain(())
                 return {}
         else:
-            proposals = {key: self._rows[key].index.propose(tokens, k) for key, tokens, k in wanted}
-        return {key: drafts for key, drafts in proposals.items() if drafts}
+            proposals = {key: Proposal(self._rows[key].index.propose(tokens, k)) for key, tokens, k, _ in wanted}
+        return {key: p for key, p in proposals.items() if p.tokens}
 
     def record(self, key: object, drafted: int, accepted: int) -> None:
         """A row's verified step: `accepted` of its `drafted` tokens were kept."""

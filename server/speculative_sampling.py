@@ -27,6 +27,19 @@ from .sampling import SampledToken, SequenceSampler, chosen_tokens, draw_from, s
 
 
 @dataclass
+class Proposal:
+    """A row's drafted tokens and, when they were sampled, the distribution [len(tokens), vocab] each was drawn
+    from (None: proposed deterministically)."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+
+    def cut(self, n: int) -> Proposal:
+        """The first `n` drafts (a prefix of a proposal is a proposal)."""
+        return Proposal(self.tokens[:n], None if self.probs is None else self.probs[:n])
+
+
+@dataclass
 class DraftCheck:
     """One speculating row: its drafted tokens, a sampler view per position (len(drafts) + 1: see
     `SequenceSampler.lookahead`) and, for drafts sampled from a distribution, that distribution [k, vocab]."""

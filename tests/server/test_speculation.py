@@ -17,7 +17,7 @@ from server.app import load_speculator
 from server.draft_model import DraftModel, vocabulary_mismatch
 from server.generation import ChoiceDelta, Generation, GenerationDone
 from server.progress import LoadProgress
-from server.sampling import SamplingParams
+from server.sampling import SamplingParams, SequenceSampler
 from server.scheduler import Scheduler
 from server.settings import Settings
 from server.speculation import (FIRST_PAUSE, PAUSE_BELOW, PROBE_RATE, RATE_WEIGHT, SpeculativeConfig,
@@ -88,6 +88,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory):
     return path
 
 
+GREEDY = SequenceSampler(SamplingParams(temperature=0), tiny_models.VOCAB_SIZE, [])
 REQUESTS = [{"prompt_ids": p} for p in PROMPTS] + [{"prompt_ids": PROMPTS[1], "n": 2, "max_tokens": 20}]
 
 
@@ -174,32 +175,58 @@ def test_sampled_rows_speculate_and_a_seed_repeats(tiny) -> None:
     assert runner.blocks.num_used == 0
 
 
+def test_a_draft_model_samples_its_drafts_as_the_row_samples(tiny) -> None:
+    """A sampled row drafts from the draft's distribution processed by the row's own sampler: with the target as
+    its own draft, that is the target's distribution, so nearly every draft is accepted (min(1, p/q) = 1 but for
+    rounding) even at a high temperature with penalties and top-p."""
+    target = load_runner(tiny("llama_tied"), dtype="float32")
+    draft = load_runner(tiny("llama_tied"), dtype="float32")
+    params = SamplingParams(temperature=1.5, top_p=0.9, presence_penalty=0.5, logit_bias={7: 2.0}, seed=9)
+    spec = Speculator(SpeculativeConfig("draft", 4), DraftModel(draft))
+    out, _ = generate(target, [{"prompt_ids": p, "params": params} for p in PROMPTS[:3]], spec)
+    assert all(len(g[0].tokens) == 32 for g in out)
+    assert spec.stats.num_draft_tokens > 30
+    assert spec.stats.num_accepted_tokens >= 0.9 * spec.stats.num_draft_tokens
+    # Each sampled draft comes with the distribution it was drawn from, in which it has weight.
+    greedy_draft = Speculator(SpeculativeConfig("draft", 4), DraftModel(draft))
+    for i, p in enumerate(PROMPTS[:3]):
+        sampler = SequenceSampler(params, target.vocab_size, p)
+        proposal = greedy_draft.draft.propose([(i, p, 4, sampler)])[i]
+        assert proposal.probs is not None and proposal.probs.shape == (4, target.vocab_size)
+        assert all(proposal.probs[j, t] > 0 for j, t in enumerate(proposal.tokens))
+    greedy_draft.retain(())
+    spec.retain(())
+    assert draft.blocks.num_used == 0
+
+
 def test_the_rate_shortens_drafts_then_pauses_a_row_that_keeps_failing() -> None:
     """Each rejected step lowers the moving rate by RATE_WEIGHT; drafts are ceil(K x rate) long, and below
     PAUSE_BELOW the row sits out FIRST_PAUSE steps, then probes again at PROBE_RATE."""
     spec, row = ngram(4), object()
     tokens = [1, 2, 3, 4, 5, 6, 7, 8] * 6
+    rows = [(row, tokens, 16, GREEDY)]
     rate, lengths = 1.0, []
     while rate >= PAUSE_BELOW:
-        drafts = spec.propose([(row, tokens, 16)])[row]
+        drafts = spec.propose(rows)[row].tokens
         assert len(drafts) == max(1, math.ceil(4 * rate))
         lengths.append(len(drafts))
         spec.record(row, len(drafts), 0)
         rate += RATE_WEIGHT * (0 - rate)
     assert lengths[0] == 4 and lengths[-1] < 4
     for _ in range(FIRST_PAUSE):
-        assert spec.propose([(row, tokens, 16)]) == {}
-    assert len(spec.propose([(row, tokens, 16)])[row]) == math.ceil(4 * PROBE_RATE)
+        assert spec.propose(rows) == {}
+    assert len(spec.propose(rows)[row].tokens) == math.ceil(4 * PROBE_RATE)
     assert spec.stats.num_drafts == len(lengths) and spec.stats.num_accepted_tokens == 0
     assert spec.stats.num_draft_tokens == sum(lengths)
 
 
 def test_acceptance_is_counted_by_position_and_big_batches_can_turn_it_off() -> None:
     spec = ngram(4, disable_by_batch_size=2)
-    rows = [(object(), [1, 2, 3, 1, 2], 4) for _ in range(3)]
+    rows = [(object(), [1, 2, 3, 1, 2], 4, GREEDY) for _ in range(3)]
     assert spec.propose(rows) == {}
     proposals = spec.propose(rows[:2])
-    assert list(proposals.values()) == [[3, 1, 2]] * 2  # what followed [1, 2]
+    assert [p.tokens for p in proposals.values()] == [[3, 1, 2]] * 2  # what followed [1, 2]
+    assert all(p.probs is None for p in proposals.values())
     spec.record(rows[0][0], 3, 2)
     spec.record(rows[1][0], 3, 0)
     s = spec.stats
