@@ -188,13 +188,13 @@ def test_a_draft_model_samples_its_drafts_as_the_row_samples(tiny) -> None:
     assert spec.stats.num_draft_tokens > 30
     assert spec.stats.num_accepted_tokens >= 0.9 * spec.stats.num_draft_tokens
     # Each sampled draft comes with the distribution it was drawn from, in which it has weight.
-    greedy_draft = Speculator(SpeculativeConfig("draft", 4), DraftModel(draft))
+    direct = Speculator(SpeculativeConfig("draft", 4), DraftModel(draft))
     for i, p in enumerate(PROMPTS[:3]):
         sampler = SequenceSampler(params, target.vocab_size, p)
-        proposal = greedy_draft.draft.propose([(i, p, 4, sampler)])[i]
+        proposal = direct.draft.propose([(i, p, 4, sampler)])[i]
         assert proposal.probs is not None and proposal.probs.shape == (4, target.vocab_size)
         assert all(proposal.probs[j, t] > 0 for j, t in enumerate(proposal.tokens))
-    greedy_draft.retain(())
+    direct.retain(())
     spec.retain(())
     assert draft.blocks.num_used == 0
 
