@@ -117,6 +117,8 @@ class DraftModel:
             if sampled:
                 # The row's sampler as it will stand at this position: penalising the drafts before it.
                 views = [samplers[active[i][0]].lookahead(drafts[active[i][0]])[-1] for i in sampled]
+                for view in views:  # min_tokens is the target's business (it rejects early end tokens)
+                    view.suppressed = None
                 q = sampling_probs(logits[sampled] if len(sampled) < len(active) else logits, views)
                 u = torch.tensor([v.draw_uniform() for v in views], dtype=torch.float64)
                 for j, (i, token) in enumerate(zip(sampled, draw_from(q, u).tolist())):

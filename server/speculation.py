@@ -7,9 +7,13 @@ tells it how many were accepted.
 Adaptive: each row keeps a moving average of the fraction of its drafts that were accepted. A row drafts
 k = ceil(K x that rate) tokens (so fewer when few are accepted), and one whose rate falls below `PAUSE_BELOW`
 stops speculating for a while, longer each time it fails again; text that does not copy its context then decodes
-as without speculation, but for an occasional probe. With `disable_by_batch_size`, no row speculates in a step of
-more decoding rows than that: in a big batch the target's pass is no longer dominated by reading its weights, and
-verifying drafts costs nearly what decoding them would.
+as without speculation, but for an occasional probe.
+
+And measured (`StepThroughput`): verifying drafts is cheap only while a pass is dominated by reading the weights;
+in a big batch on a CPU it costs nearly what decoding the tokens would. So the tokens per second of decode-only
+steps with and without drafts are kept apart per batch size, and speculation is off while it is the slower of the
+two, but for one step in `EXPLORE_EVERY` that measures the other way again. With `disable_by_batch_size`, no row
+speculates in a step of more decoding rows than that.
 """
 from __future__ import annotations
 
@@ -32,6 +36,10 @@ FIRST_PAUSE, LONGEST_PAUSE = 8, 128  # steps; doubled on every pause in a row
 PROBE_RATE = 0.4  # where the rate starts again after a pause: one more failed probe pauses it again
 
 
+EXPLORE_EVERY = 32  # steps per batch size: one of them speculates the other way than the faster one
+THROUGHPUT_WEIGHT = 0.2
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: SpeculativeMethod
@@ -39,6 +47,35 @@ class SpeculativeConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     disable_by_batch_size: int | None = None
+    measure: bool = True  # turn speculation off while steps with drafts make fewer tokens per second
+
+
+class StepThroughput:
+    """Tokens per second of decode-only steps with and without drafts, per batch-size bucket (1, 2, 3-4, 5-8, ...),
+    as moving averages; `allows` says whether a step of that many rows should speculate."""
+
+    def __init__(self) -> None:
+        self._rates: dict[int, list[float | None]] = {}  # bucket -> [without drafts, with drafts]
+        self._steps: dict[int, int] = {}
+
+    @staticmethod
+    def _bucket(rows: int) -> int:
+        return max(rows - 1, 0).bit_length()
+
+    def allows(self, rows: int) -> bool:
+        bucket = self._bucket(rows)
+        plain, drafted = self._rates.get(bucket, [None, None])
+        faster = drafted is None or plain is None or drafted >= plain
+        self._steps[bucket] = self._steps.get(bucket, 0) + 1
+        return faster != (self._steps[bucket] % EXPLORE_EVERY == 0)
+
+    def observe(self, rows: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """A decode-only step of `rows` sequences made `tokens` tokens in `seconds`."""
+        if seconds <= 0:
+            return
+        rates = self._rates.setdefault(self._bucket(rows), [None, None])
+        rate, old = tokens / seconds, rates[drafted]
+        rates[drafted] = rate if old is None else old + THROUGHPUT_WEIGHT * (rate - old)
 
 
 @dataclass
@@ -82,6 +119,7 @@ class Speculator:
         self.config, self.draft = config, draft
         self._rows: dict[object, _RowState] = {}
         self.stats = SpeculationStats(accepted_per_position=[0] * config.num_tokens)
+        self.throughput = StepThroughput() if config.measure else None
 
     def retain(self, keys: Collection[object]) -> None:
         """Forget the rows not in `keys` (they finished, failed or were preempted)."""
@@ -96,7 +134,9 @@ class Speculator:
         whole sequence so far, `at most` how many it may draft (its remaining max_tokens and context), `sampler`
         its sampling (a draft model samples its drafts the same way)."""
         cfg = self.config
-        if cfg.disable_by_batch_size is not None and len(rows) > cfg.disable_by_batch_size:
+        if not rows or cfg.disable_by_batch_size is not None and len(rows) > cfg.disable_by_batch_size:
+            return {}
+        if self.throughput is not None and not self.throughput.allows(len(rows)):
             return {}
         wanted: list[tuple[object, Sequence[int], int, SequenceSampler]] = []
         for key, tokens, most, sampler in rows:
@@ -120,6 +160,12 @@ class Speculator:
         else:
             proposals = {key: Proposal(self._rows[key].index.propose(tokens, k)) for key, tokens, k, _ in wanted}
         return {key: p for key, p in proposals.items() if p.tokens}
+
+    def observe_step(self, rows: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """A decode-only step: `rows` sequences, whether any drafted, the tokens it made and how long it took
+        (from proposing to handing the tokens on)."""
+        if self.throughput is not None:
+            self.throughput.observe(rows, drafted, tokens, seconds)
 
     def record(self, key: object, drafted: int, accepted: int) -> None:
         """A row's verified step: `accepted` of its `drafted` tokens were kept."""
