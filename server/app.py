@@ -73,6 +73,8 @@ def load_speculator(settings: Settings, runner: Runner, device: str, progress: L
     mismatch = vocabulary_mismatch(runner, draft)
     if mismatch is not None:
         raise ValueError(mismatch)
+    if draft.device.type == "cuda" and settings.cuda_graphs:  # the draft's decode steps replay graphs too
+        draft.capture_cuda_graphs(device_default(settings, "max_running"))
     log.info("draft model %s (%s weights) proposes up to %d tokens per step", name,
              draft.quant if draft.quant != "none" else "dense", settings.num_speculative_tokens)
     return Speculator(config, DraftModel(draft))

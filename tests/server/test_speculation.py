@@ -20,8 +20,8 @@ from server.progress import LoadProgress
 from server.sampling import SamplingParams, SequenceSampler
 from server.scheduler import Scheduler
 from server.settings import Settings
-from server.speculation import (FIRST_PAUSE, PAUSE_BELOW, PROBE_RATE, RATE_WEIGHT, SpeculativeConfig,
-                                Speculator)
+from server.speculation import (EXPLORE_EVERY, FIRST_PAUSE, PAUSE_BELOW, PROBE_RATE, RATE_WEIGHT,
+                                SpeculativeConfig, Speculator, StepThroughput)
 
 # Copy-heavy prompts: a phrase repeated, so prompt lookup has matches from the first step.
 PROMPTS = [[5 + i, 40 + 3 * i, 77, 12 + i, 90, 31 + i] * 4 + [5 + i, 40 + 3 * i] for i in range(4)]
@@ -202,7 +202,7 @@ def test_a_draft_model_samples_its_drafts_as_the_row_samples(tiny) -> None:
 def test_the_rate_shortens_drafts_then_pauses_a_row_that_keeps_failing() -> None:
     """Each rejected step lowers the moving rate by RATE_WEIGHT; drafts are ceil(K x rate) long, and below
     PAUSE_BELOW the row sits out FIRST_PAUSE steps, then probes again at PROBE_RATE."""
-    spec, row = ngram(4), object()
+    spec, row = ngram(4, measure=False), object()
     tokens = [1, 2, 3, 4, 5, 6, 7, 8] * 6
     rows = [(row, tokens, 16, GREEDY)]
     rate, lengths = 1.0, []
@@ -221,7 +221,7 @@ def test_the_rate_shortens_drafts_then_pauses_a_row_that_keeps_failing() -> None
 
 
 def test_acceptance_is_counted_by_position_and_big_batches_can_turn_it_off() -> None:
-    spec = ngram(4, disable_by_batch_size=2)
+    spec = ngram(4, disable_by_batch_size=2, measure=False)
     rows = [(object(), [1, 2, 3, 1, 2], 4, GREEDY) for _ in range(3)]
     assert spec.propose(rows) == {}
     proposals = spec.propose(rows[:2])
@@ -243,3 +243,18 @@ def test_a_draft_of_another_vocabulary_is_refused_at_start_up(tiny) -> None:
                          target, "cpu", LoadProgress(interactive=False))
     assert ok is not None and ok.draft is not None
     assert load_speculator(Settings(model=str(tiny("qwen3"))), target, "cpu", LoadProgress(interactive=False)) is None
+
+
+def test_speculation_is_off_while_steps_with_drafts_are_slower_but_for_exploring_steps() -> None:
+    switch = StepThroughput()
+    assert all(switch.allows(1) for _ in range(EXPLORE_EVERY - 1))  # nothing measured: speculate
+    assert not switch.allows(1)  # the exploring step measures the other way
+    switch.observe(1, drafted=False, tokens=10, seconds=0.1)  # 100 tokens/s without drafts
+    switch.observe(1, drafted=True, tokens=12, seconds=0.2)   # 60 with them
+    decisions = [switch.allows(1) for _ in range(EXPLORE_EVERY)]
+    assert decisions.count(True) == 1 and decisions[-1]
+    assert all(switch.allows(8) for _ in range(3))  # another batch size has its own figures
+    for _ in range(20):  # drafts pay after all: the averages move over
+        switch.observe(1, drafted=True, tokens=40, seconds=0.2)
+    decisions = [switch.allows(1) for _ in range(EXPLORE_EVERY)]
+    assert decisions.count(False) == 1 and not decisions[-1]
