@@ -143,6 +143,8 @@ async def _scenario(base_url: str, model: str, prompt: str, concurrency: int, re
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     configs = dict(CONFIGS) | (DRAFT_PAIR if args.draft_pair else {})
+    if args.configs:
+        configs = {name: configs[name] for name in args.configs}
     results: dict[str, dict[str, Any]] = {}
     for name, flags in configs.items():
         print(f"== {name}: {' '.join(flags) or '(defaults)'}", file=sys.stderr)
@@ -192,6 +194,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4, help="requests per scenario (at least the concurrency)")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--draft-pair", action="store_true", help="also the bf16 target with its int4 copy drafting")
+    parser.add_argument("--configs", nargs="+", choices=[*CONFIGS, *DRAFT_PAIR],
+                        help="only these configurations (default: all of the above)")
     parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
                         help="further flags for every server (last on the command line)")
     parser.add_argument("--json-out", help="write the JSON document here")

@@ -30,7 +30,7 @@ from engine.errors import RowError
 from .embedding_jobs import EmbeddingJob, EmbeddingSteps
 from .generation import ChoiceDelta, EventBatch, Generation, GenerationDone, GenerationFailed, PromptLogprobs, \
     TokenLogprob
-from .grammar import GrammarMatcher, fill_bitmasks
+from .grammar import GrammarMatcher, fill_bitmasks, fill_draft_bitmasks
 from .sampling import SequenceSampler, sample_batch
 from .speculation import Speculator
 from .speculative_sampling import DraftCheck, Proposal, verify_drafts
@@ -276,14 +276,14 @@ class Scheduler:
         return chosen
 
     def _propose(self) -> dict[Unit, Proposal]:
-        """Draft tokens of the decoding choices that speculate this step (none while grammar-constrained)."""
+        """Draft tokens of the decoding choices that speculate this step."""
         spec = self.speculator
         if spec is None:
             return {}
         spec.retain(self.running)
         rows = []
         for unit in self.running:
-            if unit.choice is None or unit.kv.num_pending != 1 or unit.matcher is not None or unit.gen.backlogged:
+            if unit.choice is None or unit.kv.num_pending != 1 or unit.gen.backlogged:
                 continue
             # The step makes one token anyway; drafts stay within max_tokens and the context.
             most = self.runner.context_size - len(unit.kv.tokens)
@@ -456,7 +456,9 @@ class Scheduler:
         """Start filling, on a thread while the forward pass runs, the bitmasks of the grammar-constrained units
         whose next token this step samples: their matchers are final (the last step advanced them), and
         llguidance fills masks with the GIL released, so a constrained batch is not serialised behind them."""
-        due = [u for u in units if u.matcher is not None and u.kv.num_computed + self._take[u] == len(u.kv.tokens)]
+        # A speculating unit's masks (one per drafted position) are filled when its drafts are verified.
+        due = [u for u in units if u.matcher is not None and u not in self._drafts
+               and u.kv.num_computed + self._take[u] == len(u.kv.tokens)]
         if not due:
             return None
         bitmask = allocate_bitmask(len(due), self.runner.vocab_size)
@@ -501,7 +503,11 @@ class Scheduler:
             for i, view in enumerate(views):  # min_tokens: position i makes the choice's token num_tokens + i + 1
                 early_end = unit.stopper.num_tokens + i < unit.gen.min_tokens and not unit.gen.ignore_eos
                 view.suppressed = ends if early_end else None
-            checks.append(DraftCheck(drafts.tokens, views, drafts.probs))
+            allowed = None
+            if unit.matcher is not None:
+                allowed = allocate_bitmask(len(views), self.runner.vocab_size)
+                fill_draft_bitmasks(unit.matcher, drafts.tokens, allowed)
+            checks.append(DraftCheck(drafts.tokens, views, drafts.probs, allowed))
             index += range(offset, offset + len(drafts.tokens) + 1)
         rows = logits if index == list(range(len(logits))) else \
             logits.index_select(0, torch.tensor(index, device=logits.device))

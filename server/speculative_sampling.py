@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import SampledToken, SequenceSampler, chosen_tokens, draw_from, sample_batch, sampling_probs
+from .sampling import AllowedTokens, SampledToken, SequenceSampler, chosen_tokens, draw_from, sample_batch, \
+    sampling_probs
 
 
 @dataclass
@@ -42,11 +43,13 @@ class Proposal:
 @dataclass
 class DraftCheck:
     """One speculating row: its drafted tokens, a sampler view per position (len(drafts) + 1: see
-    `SequenceSampler.lookahead`) and, for drafts sampled from a distribution, that distribution [k, vocab]."""
+    `SequenceSampler.lookahead`), for drafts sampled from a distribution that distribution [k, vocab], and for a
+    grammar-constrained row the tokens its grammar allows at each position (a token bitmask [k + 1, words])."""
 
     drafts: list[int]
     views: list[SequenceSampler]
     draft_probs: torch.Tensor | None = None  # None: each draft token was proposed deterministically (q = 1)
+    allowed: torch.Tensor | None = None
 
 
 @dataclass
@@ -86,19 +89,27 @@ def verify_drafts(logits: torch.Tensor, checks: Sequence[DraftCheck]) -> list[Ve
 
 
 def _rows(logits: torch.Tensor, checks: Sequence[DraftCheck], offsets: list[int],
-          which: list[int]) -> tuple[torch.Tensor, list[SequenceSampler]]:
+          which: list[int]) -> tuple[torch.Tensor, list[SequenceSampler], AllowedTokens | None]:
+    """The logits rows, sampler views and grammar masks of the checks `which`."""
     rows = [offsets[j] + i for j in which for i in range(len(checks[j].views))]
     views = [v for j in which for v in checks[j].views]
+    masks, masked, at = [], [], 0
+    for j in which:
+        if checks[j].allowed is not None:
+            masks.append(checks[j].allowed)
+            masked += range(at, at + len(checks[j].views))
+        at += len(checks[j].views)
+    allowed = (torch.cat(masks), masked) if masks else None
     if len(rows) == logits.shape[0]:
-        return logits, views
-    return logits.index_select(0, torch.tensor(rows, device=logits.device)), views
+        return logits, views, allowed
+    return logits.index_select(0, torch.tensor(rows, device=logits.device)), views, allowed
 
 
 def _verify_greedy(logits: torch.Tensor, checks: Sequence[DraftCheck], offsets: list[int], which: list[int],
                    out: list[Verified | None]) -> None:
     """The target's own greedy token at every position; drafts are accepted while they equal it."""
-    x, views = _rows(logits, checks, offsets, which)
-    picked = sample_batch(x, views)
+    x, views, allowed = _rows(logits, checks, offsets, which)
+    picked = sample_batch(x, views, allowed)
     at = 0
     for j in which:
         drafts = checks[j].drafts
@@ -112,8 +123,8 @@ def _verify_greedy(logits: torch.Tensor, checks: Sequence[DraftCheck], offsets: 
 def _verify_sampled(logits: torch.Tensor, checks: Sequence[DraftCheck], offsets: list[int], which: list[int],
                     out: list[Verified | None]) -> None:
     """The rejection-sampling rule over each row's sampling distributions (see the module docstring)."""
-    x, views = _rows(logits, checks, offsets, which)
-    probs = sampling_probs(x, views)  # [rows, vocab], each row the distribution sample_batch draws from
+    x, views, allowed = _rows(logits, checks, offsets, which)
+    probs = sampling_probs(x, views, allowed)  # [rows, vocab], each row the distribution sample_batch draws from
     dev = probs.device
     # p_i(d_{i+1}) of every drafted token, in one gather and one copy to the host.
     starts, at = [], 0
