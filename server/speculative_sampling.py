@@ -11,6 +11,9 @@ top-k, top-p, min-p), through `SequenceSampler.lookahead` views, so that no rule
 - At the first rejection the row's token is drawn from max(0, p_i - q_i) renormalised (for a point mass: p_i with
   d removed); when all k are accepted, a bonus token is drawn from p_k.
 
+A grammar-constrained row verifies each position under its grammar's mask there (`DraftCheck.allowed`), so a
+draft the grammar refuses has p = 0 and is rejected.
+
 Every output token then follows exactly the target's distribution (Leviathan et al. 2023, Chen et al. 2023).
 Greedy rows take the target's argmax at each position (`sample_batch`, the same code as without speculation) and
 accept while the drafts equal it, so their output is token-identical to decoding without speculation.
