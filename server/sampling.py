@@ -168,12 +168,13 @@ class SequenceSampler:
         tokens: view i penalises as if tokens[:i] had been observed. They share this sampler's generator; `observe`
         on a view does not change this sampler, and `suppressed` is each view's own."""
         views, counts = [], self.counts
-        for i in range(len(tokens) + 1):
+        ids = _token_ids(tokens, self.vocab_size, "draft token")
+        for i in range(len(ids) + 1):
             view = copy.copy(self)
             if counts is not None and i:
                 with torch.inference_mode(False), torch.no_grad():
                     counts = counts.clone()
-                    counts[_token_ids([tokens[i - 1]], self.vocab_size, "draft token")[0]] += 1
+                    counts[ids[i - 1]] += 1
             view.counts = counts
             views.append(view)
         return views

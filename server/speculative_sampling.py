@@ -129,51 +129,73 @@ def _verify_sampled(logits: torch.Tensor, checks: Sequence[DraftCheck], offsets:
     x, views, allowed = _rows(logits, checks, offsets, which)
     probs = sampling_probs(x, views, allowed)  # [rows, vocab], each row the distribution sample_batch draws from
     dev = probs.device
-    # p_i(d_{i+1}) of every drafted token, in one gather and one copy to the host.
-    starts, at = [], 0
-    draft_rows, draft_ids = [], []
+    starts, at, draft_rows, draft_ids = [], 0, [], []
+    q_parts, q_index, q_at = [], [], 0  # the draft distributions given, and each drafted token's row in them
     for j in which:
+        check = checks[j]
         starts.append(at)
-        draft_rows += range(at, at + len(checks[j].drafts))
-        draft_ids += checks[j].drafts
-        at += len(checks[j].views)
-    p_draft = probs[torch.tensor(draft_rows, dtype=torch.long, device=dev),
-                    torch.tensor(draft_ids, dtype=torch.long, device=dev)].tolist() if draft_rows else []
-    weights, uniforms, ends = [], [], []
+        draft_rows += range(at, at + len(check.drafts))
+        draft_ids += check.drafts
+        if check.draft_probs is None:
+            q_index += [-1] * len(check.drafts)  # a point mass: q(d) = 1
+        else:
+            q_parts.append(check.draft_probs.to(probs))
+            q_index += range(q_at, q_at + len(check.drafts))
+            q_at += len(check.drafts)
+        at += len(check.views)
+    # p_i(d_{i+1}) and q_i(d_{i+1}) of every drafted token, in one gather each and one copy to the host.
+    ids_t = torch.tensor(draft_ids, dtype=torch.long, device=dev)
+    p_draft = probs[torch.tensor(draft_rows, dtype=torch.long, device=dev), ids_t].tolist() if draft_ids else []
+    q_all = torch.cat(q_parts) if q_parts else None
+    q_draft = [-1.0] * len(draft_ids)
+    if q_all is not None:
+        given = [i for i, r in enumerate(q_index) if r >= 0]
+        values = q_all[torch.tensor([q_index[i] for i in given], device=dev), ids_t[given]].tolist()
+        for i, v in zip(given, values):
+            q_draft[i] = v
+    final_rows, rejected, finals_u = [], [], []
     seen = 0
     for j, start in zip(which, starts):
         check = checks[j]
-        drafts, q = check.drafts, check.draft_probs
-        q_draft = q[torch.arange(len(drafts), device=q.device), torch.tensor(drafts, device=q.device)].tolist() \
-            if q is not None and drafts else None
+        k = len(check.drafts)
+        # One uniform per drafted position and one for the row's own token, from the row's generator.
+        u = torch.rand(k + 1, generator=check.views[0].generator, dtype=torch.float64).tolist()
         accepted = 0
-        while accepted < len(drafts):
-            p = p_draft[seen + accepted]
-            ratio = p if q_draft is None else (p / q_draft[accepted] if q_draft[accepted] > 0 else 1.0)
-            if check.views[accepted].draw_uniform() < ratio:
-                accepted += 1
-            else:
+        while accepted < k:
+            p, q = p_draft[seen + accepted], q_draft[seen + accepted]
+            # min(1, p / q); q < 0 marks a point mass (q = 1); q = 0 (a draft its own distribution excludes,
+            # only by rounding) keeps the token exactly when the target allows it.
+            ratio = p if q < 0 else p / q if q > 0 else float(p > 0)
+            if u[accepted] >= ratio:
                 break
-        seen += len(drafts)
-        row = probs[start + accepted]
-        if accepted < len(drafts):  # the residual: what p holds beyond the draft's distribution
-            if q is None:
-                residual = row.clone()
-                residual[drafts[accepted]] = 0
-            else:
-                residual = (row - q[accepted].to(row)).clamp_(min=0)
-            # Only rounding leaves a rejection without residual mass (p(d) within an ulp of 1): then p itself.
-            row = residual if bool(residual.sum() > 0) else row
-        weights.append(row)
-        uniforms.append(check.views[accepted].draw_uniform())
-        ends.append((j, start, accepted))
-    last = draw_from(torch.stack(weights), torch.tensor(uniforms, dtype=torch.float64)).tolist()
+            accepted += 1
+        final_rows.append(start + accepted)
+        rejected.append(seen + accepted if accepted < k else -1)  # the rejected draft's index, if any
+        finals_u.append(u[k])
+        seen += k
+        out[j] = Verified([], accepted)
+    # Each row's own token: from p at the first rejection, less the draft's distribution (the residual
+    # max(0, p - q), for a point mass p without the draft token), or from p after all k were accepted.
+    target = probs.index_select(0, torch.tensor(final_rows, device=dev))
+    weights = target.clone()
+    point = [(r, draft_ids[d]) for r, d in enumerate(rejected) if d >= 0 and q_index[d] < 0]
+    if point:  # p without the rejected draft token
+        weights[torch.tensor([r for r, _ in point], device=dev), torch.tensor([t for _, t in point], device=dev)] = 0
+    sampled = [(r, q_index[d]) for r, d in enumerate(rejected) if d >= 0 and q_index[d] >= 0]
+    if sampled:  # max(0, p - q)
+        r_t = torch.tensor([r for r, _ in sampled], device=dev)
+        q_rows = q_all.index_select(0, torch.tensor([i for _, i in sampled], device=dev))
+        weights.index_copy_(0, r_t, (weights.index_select(0, r_t) - q_rows).clamp_(min=0))
+    # Only rounding leaves a rejection without residual mass (p(d) within an ulp of 1): then p itself.
+    empty = weights.sum(-1, keepdim=True) <= 0
+    weights = torch.where(empty, target, weights)
+    last = draw_from(weights, torch.tensor(finals_u, dtype=torch.float64)).tolist()
     # Logprobs (the target's raw ones) of every emitted position, in one call.
-    rows = [start + i for _, start, accepted in ends for i in range(accepted + 1)]
-    tokens = [t for (j, _, accepted), final in zip(ends, last) for t in checks[j].drafts[:accepted] + [final]]
-    row_views = [views[r] for r in rows]
-    emitted = chosen_tokens(x.index_select(0, torch.tensor(rows, device=x.device)), row_views, tokens)
+    rows = [start + i for start, j in zip(starts, which) for i in range(out[j].accepted + 1)]
+    tokens = [t for j, final in zip(which, last) for t in checks[j].drafts[:out[j].accepted] + [final]]
+    emitted = chosen_tokens(x.index_select(0, torch.tensor(rows, device=x.device)), [views[r] for r in rows], tokens)
     at = 0
-    for j, _, accepted in ends:
-        out[j] = Verified(emitted[at:at + accepted + 1], accepted)
-        at += accepted + 1
+    for j in which:
+        n = out[j].accepted + 1
+        out[j].sampled = emitted[at:at + n]
+        at += n

@@ -550,7 +550,9 @@ def test_rollback_forgets_rejected_tokens_and_their_cache_entries():
     assert (seq.tokens, seq.num_computed, len(seq.block_table), len(bm._hash_of)) == ([1, 2, 3, 4, 5, 6, 7, 8], 8, 2, 2)
     bm.rollback(seq, 7)  # 8 rejected after all: its block leaves the prefix cache
     assert (seq.num_computed, len(seq.block_table), len(seq.block_hashes), len(bm._hash_of)) == (7, 2, 1, 1)
-    assert bm.match_prefix(KVSequence([1, 2, 3, 4, 5, 6, 7, 8, 0]), 9) == 4
+    probe = KVSequence([1, 2, 3, 4, 5, 6, 7, 8, 0])
+    assert bm.match_prefix(probe, 9) == 4
+    bm.release(probe)
     seq.tokens += [99]  # the target's own token where 8 was
     pool.compute(seq)
     check_invariants(bm, [seq], pool)

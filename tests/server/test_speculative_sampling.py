@@ -74,6 +74,8 @@ def _assert_follows(tokens: list[int], probs: torch.Tensor) -> None:
     counts = _histogram(tokens)
     possible = [t for t in range(V) if probs[t] > 0]
     assert all(counts[t] == 0 for t in range(V) if t not in possible)
+    if len(possible) == 1:
+        return
     mass = sum(float(probs[t]) for t in possible)
     expected = [float(probs[t]) / mass * len(tokens) for t in possible]
     result = chisquare([counts[t] for t in possible], expected)
@@ -83,7 +85,7 @@ def _assert_follows(tokens: list[int], probs: torch.Tensor) -> None:
 CASES = [
     dict(temperature=0.9),
     dict(temperature=1.3, top_k=4, frequency_penalty=0.8),
-    dict(temperature=0.7, top_p=0.85, min_p=0.05, repetition_penalty=1.3, logit_bias={2: 1.0}),
+    dict(temperature=1.2, top_p=0.95, min_p=0.02, repetition_penalty=1.3, logit_bias={2: 1.0}),
 ]
 
 
@@ -95,24 +97,20 @@ def test_sampled_outputs_follow_the_target_distribution(params: dict, proposal: 
     gen = torch.Generator().manual_seed(7)
     logits = torch.randn(3, V, generator=gen) * 1.5
     q = torch.softmax(torch.randn(2, V, generator=gen), -1)  # the draft's distributions at its two positions
-    draws = 8000
+    draws = 4000
     base = sampler(seed=11, **params)
-    checks = []
-    for _ in range(draws):
-        if proposal == "point":
-            drafts, draft_probs = [2, 3], None
-        else:
-            drafts = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(2)]
-            draft_probs = q
-        checks.append(DraftCheck(drafts, base.lookahead(drafts), draft_probs))
+    sampled_drafts = torch.multinomial(q, draws, replacement=True, generator=gen).T.tolist()  # [draws, 2]
+    checks = [DraftCheck([2, 3], base.lookahead([2, 3])) if proposal == "point" else
+              DraftCheck(drafts, base.lookahead(drafts), q) for drafts in sampled_drafts]
     results = verify_drafts(logits.repeat(draws, 1), checks)
     first = [r.sampled[0].token for r in results]
     p0 = sampling_probs(logits[:1], [base])[0]
+    assert (p0 > 0).sum() >= 3  # a distribution worth testing
     _assert_follows(first, p0)
     # Given the first token equals the first draft, the second follows p_1 after that token.
     for d1 in range(V):
         seconds = [r.sampled[1].token for r, c in zip(results, checks) if c.drafts[0] == d1 and r.accepted >= 1]
-        if len(seconds) < 500:
+        if len(seconds) < 300:
             continue
         after = sampler(seed=0, **params)
         after.observe(d1)
@@ -128,7 +126,7 @@ def test_a_point_mass_draft_is_accepted_with_the_targets_probability() -> None:
     logits = torch.tensor([[0.0, 1.0, 2.0, 0.5, -1.0, 0.3], [0.0] * V])
     base = sampler(seed=5)
     p = sampling_probs(logits[:1], [base])[0]
-    draws = 20000
+    draws = 10000
     results = verify_drafts(logits.repeat(draws, 1), [DraftCheck([1], base.lookahead([1])) for _ in range(draws)])
     rate = sum(r.accepted for r in results) / draws
     assert abs(rate - float(p[1])) < 4 * math.sqrt(float(p[1]) * (1 - float(p[1])) / draws)
