@@ -1,5 +1,6 @@
 """Prompt lookup (n-gram speculation): propose the tokens that followed the last earlier occurrence of the
-sequence's final n-gram, in the prompt and the generated text, so no second model is needed.
+sequence's final n-gram, in the prompt and the generated text, so no second model is needed (a continuation that
+reaches the end of the sequence repeats with the same period: how a loop goes on).
 
 It pays where the output copies its context: editing code, summarising or answering from a long document, RAG.
 `NgramIndex` keeps, per n, where each n-gram of the sequence last ended, and is brought up to date with the tokens
@@ -29,8 +30,10 @@ class NgramIndex:
         self._indexed = max(self._indexed, upto)
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        """Up to `k` tokens that followed the most recent earlier occurrence of the last n-gram of `tokens`, for
-        the longest n that has one; [] when none recurs. `tokens` must extend those of the previous call."""
+        """`k` tokens that followed the most recent earlier occurrence of the last n-gram of `tokens`, for the
+        longest n that has one; [] when none recurs. Where that continuation runs into the end of the sequence
+        (a repetition, such as a loop the output has fallen into), it goes on repeating with the same period.
+        `tokens` must extend those of the previous call."""
         length = len(tokens)
         if length - 1 < self._indexed:  # not an extension of what was indexed: start again
             self.__init__(self.min_n, self.max_n)  # type: ignore[misc]
@@ -41,5 +44,9 @@ class NgramIndex:
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             end = self._last_end[n].get(tuple(tokens[length - n:]))
             if end is not None:
-                return list(tokens[end + 1:end + 1 + k])
+                period = length - 1 - end
+                out = list(tokens[end + 1:end + 1 + k])
+                while len(out) < k:
+                    out.append(out[len(out) - period])
+                return out
         return []

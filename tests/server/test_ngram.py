@@ -15,17 +15,20 @@ def brute_force(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
         suffix = tokens[-n:]
         for end in range(len(tokens) - 2, n - 2, -1):
             if tokens[end - n + 1:end + 1] == suffix:
-                return tokens[end + 1:end + 1 + k]
+                period = len(tokens) - 1 - end
+                # the text as if it went on repeating its last `period` tokens
+                extended = tokens + [tokens[len(tokens) - period + i % period] for i in range(k)]
+                return extended[end + 1:end + 1 + k]
     return []
 
 
 @pytest.mark.parametrize("tokens, k, expected", [
     ([1, 2, 3, 4, 9, 1, 2, 3], 3, [4, 9, 1]),       # the 3-gram [1, 2, 3] recurs: what followed it
     ([1, 2, 3, 9, 2, 3, 8, 2, 3], 2, [8, 2]),        # [2, 3] twice before: the most recent one
-    ([1, 2, 3, 9, 2, 3, 8, 5, 3], 4, [8, 5, 3]),     # only the 1-gram [3] recurs; fewer than k tokens follow it
+    ([1, 2, 3, 9, 2, 3, 8, 5, 3], 4, [8, 5, 3, 8]),  # only [3] recurs; past the end the period-3 repeat goes on
     ([7, 1, 2, 5, 1, 2, 6, 2], 2, [6, 2]),           # [2] last ended at 5: its continuation runs into the suffix
     ([5, 6, 7, 8], 3, []),                           # nothing recurs
-    ([4, 4], 3, [4]),                                # the suffix never matches itself, but may overlap a match
+    ([4, 4], 3, [4, 4, 4]),                          # the suffix never matches itself; a loop goes on
 ])
 def test_constructed_proposals(tokens: list[int], k: int, expected: list[int]) -> None:
     assert NgramIndex(1, 4).propose(tokens, k) == expected
