@@ -12,8 +12,9 @@ as without speculation, but for an occasional probe.
 And measured (`StepThroughput`): verifying drafts is cheap only while a pass is dominated by reading the weights;
 in a big batch on a CPU it costs nearly what decoding the tokens would. So the tokens per second of decode-only
 steps with and without drafts are kept apart per batch size, and speculation is off while it is the slower of the
-two, but for one step in `EXPLORE_EVERY` that measures the other way again. With `disable_by_batch_size`, no row
-speculates in a step of more decoding rows than that.
+two, but for one step in `EXPLORE_EVERY` that measures the other way again (seeded sampled rows excepted: their
+output must not depend on timing). With `disable_by_batch_size`, no row speculates in a step of more decoding rows
+than that.
 """
 from __future__ import annotations
 
@@ -136,10 +137,13 @@ class Speculator:
         cfg = self.config
         if not rows or cfg.disable_by_batch_size is not None and len(rows) > cfg.disable_by_batch_size:
             return {}
-        if self.throughput is not None and not self.throughput.allows(len(rows)):
-            return {}
+        # Seeded sampled rows are exempt from the measured switch: how a row speculates changes how it consumes
+        # its random numbers, and a seed must repeat its output, not depend on the timing of other steps.
+        measured_off = self.throughput is not None and not self.throughput.allows(len(rows))
         wanted: list[tuple[object, Sequence[int], int, SequenceSampler]] = []
         for key, tokens, most, sampler in rows:
+            if measured_off and (sampler.params.seed is None or sampler.params.is_greedy()):
+                continue
             state = self._rows.get(key)
             if state is None:
                 index = NgramIndex(cfg.ngram_min, cfg.ngram_max) if cfg.method == "ngram" else None
