@@ -35,17 +35,22 @@ def spec_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
 
 
 def test_greedy_outputs_equal_the_engine_without_speculation(spec_server: ServerProcess, ref: Reference) -> None:
-    expected = {name: ref.generate(ref.chat_ids(messages), 40) for name, messages in (("copy", COPY), ("free", FREE))}
-    client = openai.AsyncOpenAI(base_url=f"{spec_server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-    async def ask(messages: list[dict], **kw) -> openai.types.chat.ChatCompletion:
-        return await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
-                                                    **kw)
+    expected = {name: ref.generate(ref.chat_ids(messages), 32) for name, messages in (("copy", COPY), ("free", FREE))}
+    text = ref.text(expected["copy"])
+    stop = text[len(text) // 2:len(text) // 2 + 4]
 
     async def main() -> list:
-        return await asyncio.gather(ask(COPY), ask(FREE), ask(COPY, logprobs=True))
+        client = openai.AsyncOpenAI(base_url=f"{spec_server.base_url}/v1", api_key="unused", max_retries=0,
+                                    timeout=120)
 
-    copy, free, logged = asyncio.run(main())
+        async def ask(messages: list[dict], **kw) -> openai.types.chat.ChatCompletion:
+            return await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32,
+                                                        temperature=0, **kw)
+
+        async with client:
+            return await asyncio.gather(ask(COPY), ask(FREE), ask(COPY, logprobs=True), ask(COPY, stop=[stop]))
+
+    copy, free, logged, stopped = asyncio.run(main())
     assert copy.choices[0].message.content == ref.text(expected["copy"])
     assert free.choices[0].message.content == ref.text(expected["free"])
     assert logged.choices[0].message.content == ref.text(expected["copy"])
@@ -53,10 +58,8 @@ def test_greedy_outputs_equal_the_engine_without_speculation(spec_server: Server
     got = [t.logprob for t in logged.choices[0].logprobs.content]
     assert got == pytest.approx([float(target[i, t]) for i, t in enumerate(expected["copy"])], abs=1e-4)
     # A stop string in the middle of the copied text cuts there.
-    text = ref.text(expected["copy"])
-    stop = text[len(text) // 2:len(text) // 2 + 4]
-    r = asyncio.run(ask(COPY, stop=[stop]))
-    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == text[:text.index(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].message.content == text[:text.index(stop)]
 
     health = httpx.get(f"{spec_server.base_url}/health").json()
     assert health["speculative"] == "ngram"
