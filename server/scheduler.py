@@ -329,7 +329,7 @@ class Scheduler:
     def _generation_step(self) -> None:
         """Advance every scheduled sequence by one forward pass and handle what it produced."""
         self.drop_cancelled()
-        started, made = time.perf_counter(), self.generated_tokens
+        started = time.perf_counter()
         self._stepping = self._schedule()
         early = self._start_masks(self._stepping)
         done = self._forward(self._stepping)
@@ -361,17 +361,16 @@ class Scheduler:
         self._stepping = []
         self.events.flush()
         if self.speculator is not None:
-            self._observe_step(units, rows, bool(speculated), time.perf_counter() - started, made)
+            self._observe_step(units, rows, time.perf_counter() - started)
         self._drafts = {}
 
-    def _observe_step(self, units: list[Unit], rows: list[StepRow], drafted: bool, seconds: float,
-                      made: int) -> None:
+    def _observe_step(self, units: list[Unit], rows: list[StepRow], seconds: float) -> None:
         """Tell the speculator how a decode-only step went (a step with prompt chunks says nothing about it)."""
         for unit, row in zip(units, rows):
             drafts = self._drafts.get(unit)
             if unit.choice is None or row.end - row.start != 1 + (len(drafts.tokens) if drafts else 0):
                 return
-        self.speculator.observe_step(len(units), drafted, self.generated_tokens - made, seconds)
+        self.speculator.observe_step(len(units), sum(len(d.tokens) for d in self._drafts.values()), seconds)
 
     def _collect_prompt_logprobs(self, unit: Unit, row: StepRow, logits: torch.Tensor) -> None:
         """Logprobs of the prompt tokens after each position of the chunk (row i predicts token start + i + 1)."""

@@ -21,8 +21,8 @@ from server.progress import LoadProgress
 from server.sampling import SamplingParams, SequenceSampler
 from server.scheduler import Scheduler
 from server.settings import Settings
-from server.speculation import (EXPLORE_EVERY, FIRST_PAUSE, PAUSE_BELOW, PROBE_RATE, RATE_WEIGHT,
-                                SpeculativeConfig, Speculator, StepThroughput)
+from server.speculation import FIRST_PAUSE, PAUSE_BELOW, PROBE_RATE, RATE_WEIGHT, SpeculativeConfig, Speculator
+from server.speculation_cost import EXPLORE_EVERY, StepCost
 
 # Copy-heavy prompts: a phrase repeated, so prompt lookup has matches from the first step.
 PROMPTS = [[5 + i, 40 + 3 * i, 77, 12 + i, 90, 31 + i] * 4 + [5 + i, 40 + 3 * i] for i in range(4)]
@@ -255,19 +255,36 @@ def test_a_draft_of_another_vocabulary_is_refused_at_start_up(tiny) -> None:
     assert load_speculator(Settings(model=str(tiny("qwen3"))), target, "cpu", LoadProgress(interactive=False)) is None
 
 
-def test_speculation_is_off_while_steps_with_drafts_are_slower_but_for_exploring_steps() -> None:
-    switch = StepThroughput()
-    assert all(switch.allows(1) for _ in range(EXPLORE_EVERY - 1))  # nothing measured: speculate
-    assert not switch.allows(1)  # the exploring step measures the other way
-    switch.observe(1, drafted=False, tokens=10, seconds=0.1)  # 100 tokens/s without drafts
-    switch.observe(1, drafted=True, tokens=12, seconds=0.2)   # 60 with them
-    decisions = [switch.allows(1) for _ in range(EXPLORE_EVERY)]
-    assert decisions.count(True) == 1 and decisions[-1]
-    assert all(switch.allows(8) for _ in range(3))  # another batch size has its own figures
-    for _ in range(20):  # drafts pay after all: the averages move over
-        switch.observe(1, drafted=True, tokens=40, seconds=0.2)
-    decisions = [switch.allows(1) for _ in range(EXPLORE_EVERY)]
-    assert decisions.count(False) == 1 and not decisions[-1]
+def test_the_break_even_rate_is_what_a_draft_costs_against_what_a_decoded_token_makes() -> None:
+    cost = StepCost()
+    assert cost.break_even(1) is None
+    cost.observe(1, drafted=4, seconds=0.2)  # no plain step measured yet: says nothing
+    cost.observe(1, drafted=0, seconds=0.1)
+    cost.observe(1, drafted=4, seconds=0.14)  # 10 ms per drafted token, 100 ms per decoded one: 0.1
+    assert cost.break_even(1) == pytest.approx(0.1)
+    cost.observe(8, drafted=0, seconds=0.2)
+    cost.observe(8, drafted=32, seconds=0.52)  # the same 10 ms, but 25 ms per decoded token: 0.4
+    assert cost.break_even(8) == pytest.approx(0.4)
+    decisions = [cost.explore(3) for _ in range(2 * EXPLORE_EVERY)]
+    assert decisions.count(True) == 2 and decisions[EXPLORE_EVERY - 1]
+
+
+def test_rows_pause_below_the_measured_break_even_rate() -> None:
+    """Where a drafted token costs nearly what a decoded one makes, a row accepting half its drafts pauses; with
+    the fixed rule (not measured) it would go on."""
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8] * 6
+    for measure, paused in ((True, True), (False, False)):
+        spec, row = ngram(4, measure=measure), object()
+        if measure:
+            spec.observe_step(1, 0, 0.1)
+            spec.observe_step(1, 4, 0.1 + 4 * 0.09)  # break-even 0.9
+        rows = [(row, tokens, 16, GREEDY)]
+        for _ in range(3):
+            proposal = spec.propose(rows).get(row)
+            if proposal is None:
+                break
+            spec.record(row, len(proposal.tokens), len(proposal.tokens) // 2)
+        assert (spec.propose(rows) == {}) == paused
 
 
 def test_grammar_constrained_rows_speculate_under_their_masks(tiny) -> None:
