@@ -155,6 +155,31 @@ class BlockManager:
             self._decref(block)
         seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
 
+    def rollback(self, seq: KVSequence, length: int) -> None:
+        """Cut `seq` back to its first `length` tokens, all computed (speculative tokens the target rejected): the
+        tokens after them, their blocks past the new end and their prefix-cache entries go. A block registered
+        while it held rejected tokens would otherwise serve other prompts keys that are about to be overwritten."""
+        if not 0 <= length <= seq.num_computed:
+            raise ValueError(f"cannot roll a sequence of {seq.num_computed} computed tokens back to {length}")
+        bs = self.block_size
+        keep = length // bs  # full blocks wholly before the cut: their tokens, hashes and entries stay valid
+        for i in range(keep, len(seq.block_hashes)):
+            block = seq.block_table[i]
+            # Written by this sequence since the last cut (a shared block is copied before any write), so an entry
+            # under its hash is the one its own commit made.
+            if self.refcount[block] == 1 and self._hash_of.get(block) == seq.block_hashes[i]:
+                self._unregister(block)
+        del seq.block_hashes[keep:]
+        needed = -(-length // bs)
+        if self._copies and len(seq.block_table) > needed:
+            gone = set(seq.block_table[needed:])
+            self._copies = [(src, dst) for src, dst in self._copies if dst not in gone]
+        for block in reversed(seq.block_table[needed:]):
+            self._decref(block)
+        del seq.block_table[needed:]
+        del seq.tokens[length:]
+        seq.num_computed = length
+
     def release_blocks(self, blocks: Sequence[int]) -> None:
         for block in blocks:
             self._decref(block)

@@ -143,6 +143,10 @@ class Runner:
         """Return every block of `seq` to the pool (cached prefix blocks stay cached)."""
         self.blocks.release(seq)
 
+    def rollback_sequence(self, seq: KVSequence, length: int) -> None:
+        """Cut `seq` back to its first `length` computed tokens (see BlockManager.rollback)."""
+        self.blocks.rollback(seq, length)
+
     def _drain_released(self) -> None:
         while True:
             try:

@@ -39,6 +39,8 @@ from .serving_messages import MessagesServing
 from .serving_responses import ResponsesServing
 from .serving_embeddings import EmbeddingServing
 from .settings import Settings, device_default
+from .speculation import SpeculativeConfig, Speculator
+from .draft_model import DraftModel, vocabulary_mismatch
 from .worker import Worker, WorkerPool
 
 log = logging.getLogger("emberserve")
@@ -50,6 +52,34 @@ def _worker_device(settings: Settings, index: int) -> str:
     if settings.workers > 1 and settings.device == "cuda":
         return f"cuda:{index}"
     return settings.device
+
+
+# --draft-model names that mean the served model itself, quantized (a cheaper copy of the same vocabulary).
+SELF_DRAFTS = {"self-int4": "int4", "self-int8": "int8"}
+
+
+def load_speculator(settings: Settings, runner: Runner, device: str, progress: Progress) -> Speculator | None:
+    """The worker's speculative decoding, with its draft model loaded beside the target; None when off."""
+    method = settings.speculative_method
+    if method is None or runner.is_encoder:
+        return None
+    config = SpeculativeConfig(method, settings.num_speculative_tokens, settings.ngram_min, settings.ngram_max,
+                               settings.speculative_disable_by_batch_size)
+    if method == "ngram":
+        return Speculator(config)
+    name, quant = settings.draft_model, SELF_DRAFTS.get(settings.draft_model)
+    draft = load_runner(settings.model if quant else name, device=device, quant=quant,
+                        dtype="bfloat16" if quant else settings.dtype, max_context=settings.max_context,
+                        prefix_caching=settings.prefix_caching, progress=progress,
+                        dense_prefill=settings.dense_prefill)
+    mismatch = vocabulary_mismatch(runner, draft)
+    if mismatch is not None:
+        raise ValueError(mismatch)
+    if draft.device.type == "cuda" and settings.cuda_graphs:  # the draft's decode steps replay graphs too
+        draft.capture_cuda_graphs(device_default(settings, "max_running"))
+    log.info("draft model %s (%s weights) proposes up to %d tokens per step", name,
+             draft.quant if draft.quant != "none" else "dense", settings.num_speculative_tokens)
+    return Speculator(config, DraftModel(draft))
 
 
 def _load_runner(settings: Settings, index: int, progress: Progress) -> Runner:
@@ -73,15 +103,18 @@ def _load_runner(settings: Settings, index: int, progress: Progress) -> Runner:
 
 
 def start_serving(settings: Settings, runners: list[Runner], on_worker_failure: Callable[[Worker], None] | None = None,
-                  prepare_grammars: bool = True) -> ModelState:
+                  prepare_grammars: bool = True, speculators: list[Speculator | None] | None = None) -> ModelState:
     """A worker (thread and scheduler) for each runner, started, and the served model's state over them: what
     the HTTP app and the in-process `Generator` (server/generator.py) both serve from. `prepare_grammars`: build
-    the grammar engine's vocabulary now, beside serving (else on the first constrained request)."""
+    the grammar engine's vocabulary now, beside serving (else on the first constrained request); `speculators`:
+    each worker's speculative decoding (`load_speculator`), none by default."""
     # CPU workers share the cores: more OpenMP threads than cores make every one of them sleep at its barriers.
     threads = max(1, torch.get_num_threads() // len(runners)) if settings.device == "cpu" else None
     max_running = device_default(settings, "max_running")
+    speculators = speculators or [None] * len(runners)
     workers = [Worker(runner, f"worker-{i}", max_running=max_running, threads=threads, on_failure=on_worker_failure,
-                      max_batched_tokens=device_default(settings, "max_batched_tokens", encoder=runner.is_encoder))
+                      max_batched_tokens=device_default(settings, "max_batched_tokens", encoder=runner.is_encoder),
+                      speculator=speculators[i])
                for i, runner in enumerate(runners)]
     pool = WorkerPool(workers, settings.max_queued)
     pool.start()
@@ -108,8 +141,9 @@ def _load(settings: Settings, on_worker_failure: Callable[[Worker], None] | None
     started = time.perf_counter()
     if progress is None:
         progress = LoadProgress(interactive=None if settings.log_format == "text" else False)
-    state = start_serving(settings, [_load_runner(settings, i, progress) for i in range(settings.workers)],
-                          on_worker_failure, prepare_grammars)
+    runners = [_load_runner(settings, i, progress) for i in range(settings.workers)]
+    speculators = [load_speculator(settings, r, _worker_device(settings, i), progress) for i, r in enumerate(runners)]
+    state = start_serving(settings, runners, on_worker_failure, prepare_grammars, speculators)
     runner, threads = state.runner, state.pool.workers[0].threads
     dense = dense_copy_bytes(runner.model)
     log.info("loaded %s (%s, %s activations, %s weights%s on %s, %d threads, context %d%s) "

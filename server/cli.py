@@ -14,7 +14,7 @@ from engine import KNOWN_MODELS, ModelFormatError, ModelNotInstalledError
 from engine.__main__ import add_commands, run
 
 from . import __version__
-from .app import create_app
+from .app import SELF_DRAFTS, create_app
 from .lifecycle import DrainingServer
 from .logs import configure_logging
 from .presets import presets_text
@@ -67,6 +67,13 @@ def _serve(args: argparse.Namespace) -> int:
         elif not Path(settings.model).exists():
             raise ModelFormatError(f"model not found: {settings.model!r} is neither a known model name "
                                    f"({', '.join(KNOWN_MODELS)}) nor an existing path")
+        draft = settings.draft_model
+        if draft is not None and draft not in SELF_DRAFTS:
+            if draft in KNOWN_MODELS:
+                KNOWN_MODELS[draft].path()
+            elif not Path(draft).exists():
+                raise ModelFormatError(f"draft model not found: {draft!r} is neither a known model name "
+                                       f"({', '.join(KNOWN_MODELS)}), {' nor '.join(SELF_DRAFTS)}, nor an existing path")
     except (ModelNotInstalledError, ModelFormatError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

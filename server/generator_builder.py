@@ -58,10 +58,8 @@ class GeneratorBuilder:
         return self.setting("prefix_caching", enabled)
 
     def draft(self, name: str, num_tokens: int) -> GeneratorBuilder:
-        """Speculative decoding with a draft model of the same vocabulary proposing `num_tokens` tokens a step."""
-        if "draft_model" not in Settings.model_fields or "num_speculative_tokens" not in Settings.model_fields:
-            raise NotImplementedError("speculative decoding (a draft model) is not supported by this build: the "
-                                      "server has no draft_model / num_speculative_tokens settings yet (issue 16)")
+        """Speculative decoding with a draft model of the same vocabulary (a name, a path, or `self-int4` /
+        `self-int8`: this model quantized) proposing up to `num_tokens` tokens a step."""
         return self.setting("draft_model", name).setting("num_speculative_tokens", num_tokens)
 
     def offline(self) -> GeneratorBuilder:

@@ -36,7 +36,7 @@ from engine.tokenizer import Tokenizer
 from .token_bitmask import bitmask_words
 
 __all__ = ["CompiledGrammar", "GrammarCompiler", "GrammarMatcher", "GrammarSpec", "JSON_FORMAT",
-           "StructuredOutputError", "fill_bitmasks"]
+           "StructuredOutputError", "fill_bitmasks", "fill_draft_bitmasks"]
 
 log = logging.getLogger("emberserve.grammar")
 
@@ -176,6 +176,27 @@ def fill_bitmasks(matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor) -> 
             _executor = llguidance.LLExecutor()
     _executor.unsafe_compute_mask_ptr([(m._m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(),
                                       bitmask.shape[1] * 4, bitmask.shape[0])
+
+
+def fill_draft_bitmasks(matcher: GrammarMatcher, tokens: Sequence[int], bitmask: torch.Tensor) -> None:
+    """Rows 0..len(tokens) of `bitmask`: the tokens allowed after each prefix of the drafted `tokens` (speculative
+    decoding). The rows after a draft the grammar refuses, or after the grammar stopped, are left as they are:
+    verification never gets there (the refused draft is rejected; a stopped output ends). The matcher is left
+    where it was."""
+    advanced = 0
+    try:
+        for i in range(len(tokens) + 1):
+            matcher.fill_bitmask(bitmask, i)
+            if i == len(tokens) or not (int(bitmask[i, tokens[i] >> 5]) >> (tokens[i] & 31)) & 1:
+                break  # checked first: advancing by a refused token would put the matcher in error
+            if not matcher.advance(tokens[i]):
+                raise RuntimeError(f"the grammar refused draft token {tokens[i]} its mask allowed: {matcher.error}")
+            advanced += 1
+            if matcher.is_stopped:
+                break
+    finally:
+        if advanced and not matcher.rollback(advanced):
+            raise RuntimeError(f"the grammar could not undo {advanced} drafted tokens: {matcher.error}")
 
 
 class CompiledGrammar:

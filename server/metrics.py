@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
@@ -27,7 +28,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
 
-PoolStats = Callable[[], dict[str, int] | None]
+PoolStats = Callable[[], dict[str, Any] | None]
 
 
 class _PoolCollector:
@@ -54,6 +55,29 @@ class _PoolCollector:
         yield CounterMetricFamily(f"{PREFIX}prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits)
         yield CounterMetricFamily(f"{PREFIX}num_preemptions", "Sequences preempted for lack of KV blocks.",
                                   s.get("preemptions", 0))
+        if s.get("speculative") is not None:
+            yield from _speculation_metrics(s)
+
+
+def _speculation_metrics(s: dict[str, Any]) -> Iterator[Metric]:
+    """vLLM's spec_decode counters, and the acceptance rate and mean acceptance length they imply."""
+    yield CounterMetricFamily(f"{PREFIX}spec_decode_num_drafts", "Sequence steps that verified drafted tokens.",
+                              s.get("spec_decode_num_drafts", 0))
+    yield CounterMetricFamily(f"{PREFIX}spec_decode_num_draft_tokens", "Tokens drafted for verification.",
+                              s.get("spec_decode_num_draft_tokens", 0))
+    yield CounterMetricFamily(f"{PREFIX}spec_decode_num_accepted_tokens", "Drafted tokens the model accepted.",
+                              s.get("spec_decode_num_accepted_tokens", 0))
+    per_pos = CounterMetricFamily(f"{PREFIX}spec_decode_num_accepted_tokens_per_pos",
+                                  "Accepted drafted tokens, by their position in the draft.", labels=["position"])
+    for position, count in enumerate(s.get("spec_decode_num_accepted_tokens_per_pos") or []):
+        per_pos.add_metric([str(position)], count)
+    yield per_pos
+    rate, length = s.get("spec_decode_acceptance_rate"), s.get("spec_decode_mean_acceptance_length")
+    yield GaugeMetricFamily(f"{PREFIX}spec_decode_draft_acceptance_rate",
+                            "Accepted / drafted tokens since start (0 before any draft).", rate or 0.0)
+    yield GaugeMetricFamily(f"{PREFIX}spec_decode_mean_acceptance_length",
+                            "Tokens per speculating sequence step: 1 + accepted / drafts (0 before any draft).",
+                            length or 0.0)
 
 
 class ServerMetrics:

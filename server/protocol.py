@@ -458,6 +458,13 @@ class Health(BaseModel):
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
     preemptions: int
+    speculative: Literal["ngram", "draft"] | None = None  # speculative decoding in force, if any
+    spec_decode_num_drafts: int = 0  # sequence steps that verified drafted tokens
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []  # accepted drafts by their position in the draft
+    spec_decode_acceptance_rate: float | None = None  # accepted / drafted tokens; None before any draft
+    spec_decode_mean_acceptance_length: float | None = None  # tokens per speculating step: 1 + accepted / drafts
 
 
 class HealthUnavailable(BaseModel):

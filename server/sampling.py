@@ -37,6 +37,7 @@ draws the same uniforms on any device.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import math
 import os
@@ -161,6 +162,22 @@ class SequenceSampler:
         if self.counts is not None:
             with torch.no_grad():
                 self.counts[token] += 1
+
+    def lookahead(self, tokens: Sequence[int]) -> list[SequenceSampler]:
+        """Views of this sampler after each prefix of `tokens` (len(tokens) + 1 of them), for verifying drafted
+        tokens: view i penalises as if tokens[:i] had been observed. They share this sampler's generator; `observe`
+        on a view does not change this sampler, and `suppressed` is each view's own."""
+        views, counts = [], self.counts
+        ids = _token_ids(tokens, self.vocab_size, "draft token")
+        for i in range(len(ids) + 1):
+            view = copy.copy(self)
+            if counts is not None and i:
+                with torch.inference_mode(False), torch.no_grad():
+                    counts = counts.clone()
+                    counts[ids[i - 1]] += 1
+            view.counts = counts
+            views.append(view)
+        return views
 
     def draw_uniform(self) -> float:
         """The next uniform in [0, 1) from this sequence's own generator."""
@@ -398,6 +415,23 @@ def sample_batch(logits: torch.Tensor, samplers: Sequence[SequenceSampler],
         tokens = _merge(tokens, index, _draw(xs, [samplers[i].params for i in sampled], u))
     out = [SampledToken(t, None, None) for t in tokens.tolist()]
     _fill_logprobs(logits, samplers, tokens, out)
+    return out
+
+
+def draw_from(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Token ids [R] drawn with probability proportional to `weights` [R, vocab] (non-negative, each row with some
+    weight), with one uniform per row `u` [R]: the sampler's own inverse-CDF draw."""
+    return _inverse_cdf(weights, u.to(weights.device))
+
+
+def chosen_tokens(logits: torch.Tensor, samplers: Sequence[SequenceSampler],
+                  tokens: Sequence[int]) -> list[SampledToken]:
+    """`tokens` chosen at the rows of `logits` [B, vocab], with their raw logprobs for the rows that ask (as
+    `sample_batch` gives them)."""
+    _check(logits, samplers)
+    out = [SampledToken(int(t), None, None) for t in tokens]
+    if out:
+        _fill_logprobs(logits, samplers, torch.tensor([s.token for s in out], device=logits.device), out)
     return out
 
 

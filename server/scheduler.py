@@ -15,6 +15,7 @@ an embedding step and a generation step take turns.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -29,8 +30,10 @@ from engine.errors import RowError
 from .embedding_jobs import EmbeddingJob, EmbeddingSteps
 from .generation import ChoiceDelta, EventBatch, Generation, GenerationDone, GenerationFailed, PromptLogprobs, \
     TokenLogprob
-from .grammar import GrammarMatcher, fill_bitmasks
+from .grammar import GrammarMatcher, fill_bitmasks, fill_draft_bitmasks
 from .sampling import SequenceSampler, sample_batch
+from .speculation import Speculator
+from .speculative_sampling import DraftCheck, Proposal, verify_drafts
 from .stopping import StopChecker, StopUpdate
 from .token_bitmask import allocate_bitmask
 
@@ -83,7 +86,8 @@ class _GenState:
 class Scheduler:
     """Owns the waiting and running sequences of one runner; `step()` advances them all by one forward pass."""
 
-    def __init__(self, runner: Runner, max_batched_tokens: int = 512, max_running: int = 32) -> None:
+    def __init__(self, runner: Runner, max_batched_tokens: int = 512, max_running: int = 32,
+                 speculator: Speculator | None = None) -> None:
         if max_batched_tokens < max_running:
             # A step's budget must hold a token of every running sequence, or some would wait behind the others.
             raise ValueError(f"max_batched_tokens ({max_batched_tokens}) must be at least max_running "
@@ -93,6 +97,10 @@ class Scheduler:
         self.running: list[Unit] = []
         self._gens: dict[Generation, _GenState] = {}
         self._take: dict[Unit, int] = {}
+        # Speculative decoding: each speculating unit's drafted tokens this step (appended to its tokens, computed
+        # with its last token in one row, verified after the pass); see _propose and _verify.
+        self.speculator = speculator
+        self._drafts: dict[Unit, Proposal] = {}
         self._stepping: list[Unit] = []  # the units of the step under way, failed together if it crashes
         self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         self.generated_tokens = 0
@@ -188,15 +196,28 @@ class Scheduler:
     def _schedule(self) -> list[Unit]:
         """Pick this step's units and give each the blocks it needs; a unit computes min(pending, budget) tokens."""
         blocks, budget, chosen = self.runner.blocks, self.max_batched_tokens, []
-        self._take = {}
+        self._take, self._drafts = {}, {}
+        proposals = self._propose()
+        order = self._running_order()
+        # Drafts take the budget's tokens beyond one for every decoding sequence.
+        spare = budget - sum(1 for u in order if u.kv.num_pending <= 1)
         running = set(self.running)  # membership in O(1): preemption and failures take units out as we go
-        for unit in self._running_order():
+        for unit in order:
             if unit not in running or budget <= 0 or unit.gen.backlogged:
                 continue  # preempted or failed meanwhile, out of budget, or paused: its reader is far behind
             take = min(unit.kv.num_pending, budget)
             if self._refused(unit, take):
                 running = set(self.running)
                 continue
+            proposal = proposals.get(unit)
+            drafts = proposal.cut(max(0, min(spare, budget - take))) if proposal is not None else None
+            # Speculation never preempts: drafts go only where their blocks are free beside one for each sequence.
+            if drafts and drafts.tokens and blocks.can_allocate(
+                    unit.kv, unit.kv.num_computed + take + len(drafts.tokens), reserve=len(self.running)):
+                take += len(drafts.tokens)
+                spare -= len(drafts.tokens)
+            else:
+                drafts = None
             fits = blocks.can_allocate(unit.kv, unit.kv.num_computed + take)
             while not fits and self._preempt_newest(unit, self._take):
                 running = set(self.running)
@@ -207,6 +228,9 @@ class Scheduler:
                 self.waiting.appendleft(unit)
                 continue
             blocks.allocate(unit.kv, unit.kv.num_computed + take)
+            if drafts is not None:
+                unit.kv.tokens.extend(drafts.tokens)
+                self._drafts[unit] = drafts
             self._take[unit] = take
             chosen.append(unit)
             budget -= take
@@ -252,11 +276,30 @@ class Scheduler:
             budget -= take
         return chosen
 
+    def _propose(self) -> dict[Unit, Proposal]:
+        """Draft tokens of the decoding choices that speculate this step."""
+        spec = self.speculator
+        if spec is None:
+            return {}
+        spec.retain(self.running)
+        rows = []
+        for unit in self.running:
+            if unit.choice is None or unit.kv.num_pending != 1 or unit.gen.backlogged:
+                continue
+            # The step makes one token anyway; drafts stay within max_tokens and the context.
+            most = self.runner.context_size - len(unit.kv.tokens)
+            if unit.gen.max_tokens is not None:
+                most = min(most, unit.gen.max_tokens - unit.stopper.num_tokens - 1)
+            if most > 0:
+                rows.append((unit, unit.kv.tokens, most, unit.sampler))
+        return spec.propose(rows)  # type: ignore[return-value]
+
     def _rows(self, units: list[Unit]) -> list[StepRow]:
         rows = []
         for unit in units:
             kv, end = unit.kv, unit.kv.num_computed + self._take[unit]
-            logits = "all" if unit.wants_prompt_logprobs else "last" if end == len(kv.tokens) else "none"
+            logits = "all" if unit.wants_prompt_logprobs or unit in self._drafts else \
+                "last" if end == len(kv.tokens) else "none"
             rows.append(StepRow(kv, kv.num_computed, end, logits))
         return rows
 
@@ -287,6 +330,7 @@ class Scheduler:
     def _generation_step(self) -> None:
         """Advance every scheduled sequence by one forward pass and handle what it produced."""
         self.drop_cancelled()
+        started = time.perf_counter()
         self._stepping = self._schedule()
         self.peak_running = max(self.peak_running, len(self.running))
         early = self._start_masks(self._stepping)
@@ -297,20 +341,38 @@ class Scheduler:
         units, rows, logits = done
         self._stepping = units
         finished: list[tuple[Unit, int]] = []  # units whose next token is due, and their row of `logits`
+        speculated: list[tuple[Unit, StepRow, int]] = []  # units that drafted, and their first row of `logits`
         offset = 0
         for unit, row in zip(units, rows):
             if row.logits == "none":
                 continue
             n = row.end - row.start if row.logits == "all" else 1
+            if unit in self._drafts:
+                speculated.append((unit, row, offset))
+                offset += n
+                continue
             if row.logits == "all":
                 self._collect_prompt_logprobs(unit, row, logits[offset:offset + n])
             offset += n
             if row.end == len(unit.kv.tokens):
                 finished.append((unit, offset - 1))
         self._sample(finished, logits, early)
+        if speculated:
+            self._verify(speculated, logits)
         self._cap_running()
         self._stepping = []
         self.events.flush()
+        if self.speculator is not None:
+            self._observe_step(units, rows, time.perf_counter() - started)
+        self._drafts = {}
+
+    def _observe_step(self, units: list[Unit], rows: list[StepRow], seconds: float) -> None:
+        """Tell the speculator how a decode-only step went (a step with prompt chunks says nothing about it)."""
+        for unit, row in zip(units, rows):
+            drafts = self._drafts.get(unit)
+            if unit.choice is None or row.end - row.start != 1 + (len(drafts.tokens) if drafts else 0):
+                return
+        self.speculator.observe_step(len(units), sum(len(d.tokens) for d in self._drafts.values()), seconds)
 
     def _collect_prompt_logprobs(self, unit: Unit, row: StepRow, logits: torch.Tensor) -> None:
         """Logprobs of the prompt tokens after each position of the chunk (row i predicts token start + i + 1)."""
@@ -395,7 +457,9 @@ class Scheduler:
         """Start filling, on a thread while the forward pass runs, the bitmasks of the grammar-constrained units
         whose next token this step samples: their matchers are final (the last step advanced them), and
         llguidance fills masks with the GIL released, so a constrained batch is not serialised behind them."""
-        due = [u for u in units if u.matcher is not None and u.kv.num_computed + self._take[u] == len(u.kv.tokens)]
+        # A speculating unit's masks (one per drafted position) are filled when its drafts are verified.
+        due = [u for u in units if u.matcher is not None and u not in self._drafts
+               and u.kv.num_computed + self._take[u] == len(u.kv.tokens)]
         if not due:
             return None
         bitmask = allocate_bitmask(len(due), self.runner.vocab_size)
@@ -428,7 +492,40 @@ class Scheduler:
         ids = sorted(gen.stop_token_ids)
         return torch.tensor(ids, dtype=torch.long, device=self.runner.device) if ids else None
 
-    def _advance(self, unit: Unit, token: int, logprob: float | None, top: list[tuple[int, float]] | None) -> None:
+    def _verify(self, speculated: list[tuple[Unit, StepRow, int]], logits: torch.Tensor) -> None:
+        """Accept or reject each speculating unit's drafts (server/speculative_sampling.py), roll its sequence back
+        to the accepted tokens (their KV stays; the rejected ones' leaves the prefix cache), and hand on the
+        accepted tokens and the target's own next one, which stop strings, end tokens and max_tokens may cut."""
+        checks, index = [], []
+        for unit, row, offset in speculated:
+            drafts = self._drafts[unit]
+            views = unit.sampler.lookahead(drafts.tokens)
+            ends = self._end_ids(unit.gen)
+            for i, view in enumerate(views):  # min_tokens: position i makes the choice's token num_tokens + i + 1
+                early_end = unit.stopper.num_tokens + i < unit.gen.min_tokens and not unit.gen.ignore_eos
+                view.suppressed = ends if early_end else None
+            allowed = None
+            if unit.matcher is not None:
+                allowed = allocate_bitmask(len(views), self.runner.vocab_size)
+                fill_draft_bitmasks(unit.matcher, drafts.tokens, allowed)
+            checks.append(DraftCheck(drafts.tokens, views, drafts.probs, allowed))
+            index += range(offset, offset + len(drafts.tokens) + 1)
+        rows = logits if index == list(range(len(logits))) else \
+            logits.index_select(0, torch.tensor(index, device=logits.device))
+        for (unit, row, _), result in zip(speculated, verify_drafts(rows, checks)):
+            if unit.gen not in self._gens:  # failed by a choice before it
+                continue
+            self.speculator.record(unit, len(self._drafts[unit].tokens), result.accepted)
+            self.runner.rollback_sequence(unit.kv, row.start + 1 + result.accepted)
+            for j, s in enumerate(result.sampled):
+                # The accepted drafts are already the sequence's tokens (computed); the last token is new.
+                if not self._advance(unit, s.token, s.logprob, s.top_logprobs, append=j == result.accepted):
+                    break
+
+    def _advance(self, unit: Unit, token: int, logprob: float | None, top: list[tuple[int, float]] | None,
+                 append: bool = True) -> bool:
+        """Hand on the unit's next token; whether the unit goes on (False: it finished, or its generation failed).
+        `append`: the token is new to the sequence (not an accepted draft already in its tokens)."""
         gen, state = unit.gen, self._gens[unit.gen]
         unit.sampler.observe(token)
         self.generated_tokens += 1
@@ -437,7 +534,7 @@ class Scheduler:
             if not unit.matcher.advance(token):  # the mask allowed it: a grammar engine failure
                 log.error("%s: the grammar refused token %d: %s", gen.request_id, token, unit.matcher.error)
                 self.fail([gen], 500, "the output's grammar failed")
-                return
+                return False
             if unit.matcher.is_stopped:  # the output is complete: nothing but an end token could follow
                 end = unit.stopper.end()
                 update = StopUpdate(update.text + end.text, end.finish_reason)
@@ -445,14 +542,16 @@ class Scheduler:
         self.events.emit(gen, ChoiceDelta(unit.choice, update.text, [token], logprobs, update.finish_reason,
                                            update.stop_reason))
         if update.finish_reason is None:
-            unit.kv.tokens.append(token)
-            return
+            if append:
+                unit.kv.tokens.append(token)
+            return True
         state.completion_tokens += unit.stopper.num_tokens
         self.running.remove(unit)
         self.runner.free_sequence(unit.kv)
         state.open_choices -= 1
         if state.open_choices == 0:
             self._done(gen)
+        return False
 
     def _finish_empty(self, unit: Unit) -> None:
         """max_tokens 0 (echo only): every choice ends at once with no tokens."""

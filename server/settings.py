@@ -78,6 +78,18 @@ class Settings(BaseSettings):
     prefix_caching: bool = Field(True, description="reuse the KV cache of prompt prefixes seen before")
     max_prompt_tokens: PositiveInt | None = Field(
         None, description="longest prompt accepted, in tokens (default: the context size); longer ones get a 400")
+    speculative: Literal["off", "ngram", "draft"] | None = Field(
+        None, description="speculative decoding: ngram (prompt lookup: drafts copied from the prompt and output so "
+                          "far) or draft (a draft model, see draft_model); default: draft with a draft model, else off")
+    num_speculative_tokens: int = Field(
+        4, ge=1, le=16, description="most tokens a sequence drafts per step for the model to verify in one pass")
+    ngram_min: PositiveInt = Field(1, description="shortest n-gram prompt lookup matches")
+    ngram_max: PositiveInt = Field(4, description="longest n-gram prompt lookup matches (tried first)")
+    draft_model: str | None = Field(
+        None, description="a draft model of the same vocabulary (a known name or a path; self-int4 or self-int8: "
+                          "the served model quantized, CPU), on the same device with its own KV cache")
+    speculative_disable_by_batch_size: PositiveInt | None = Field(
+        None, description="no speculation in steps of more decoding sequences than this (default: never off)")
     embeddings: bool = Field(
         False, description="also serve POST /v1/embeddings from a decoder model (an encoder model such as "
                            "all-minilm-l6-v2 serves embeddings only, with or without it)")
@@ -116,6 +128,24 @@ class Settings(BaseSettings):
                              "running sequence decodes one token in each forward pass")
         return self
 
+    @model_validator(mode="after")
+    def _speculation_is_coherent(self) -> Settings:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})")
+        if self.speculative == "draft" and self.draft_model is None:
+            raise ValueError("speculative draft needs a draft model: set draft_model")
+        if self.draft_model is not None and self.speculative in ("off", "ngram"):
+            raise ValueError(f"draft_model is set but speculative is {self.speculative}: leave speculative out or "
+                             "set it to draft")
+        return self
+
+    @property
+    def speculative_method(self) -> Literal["ngram", "draft"] | None:
+        """The speculation in force: draft with a draft model, ngram if asked, else None."""
+        if self.draft_model is not None:
+            return "draft"
+        return "ngram" if self.speculative == "ngram" else None
+
     @field_validator("allowed_origins", mode="before")
     @classmethod
     def _split_origins(cls, value: Any) -> Any:
@@ -131,7 +161,7 @@ class Settings(BaseSettings):
                              "enableServiceLinks: false on the pod, or EMBERSERVE_PORT explicitly")
         return value
 
-    @field_validator("dtype", "quant", "preset", "pooling", "log_level", "log_format", mode="before")
+    @field_validator("dtype", "quant", "preset", "pooling", "speculative", "log_level", "log_format", mode="before")
     @classmethod
     def _lower(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value

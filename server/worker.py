@@ -15,6 +15,7 @@ from .embedding_jobs import EmbeddingJob
 from .errors import APIError
 from .generation import Generation, GenerationFailed
 from .scheduler import Scheduler
+from .speculation import Speculator
 
 log = logging.getLogger("emberserve.worker")
 RETRY_AFTER_S = "2"
@@ -37,10 +38,11 @@ class Worker:
 
     def __init__(self, runner: Runner, name: str = "worker-0", max_batched_tokens: int = 512,
                  max_running: int = 32, threads: int | None = None,
-                 on_failure: Callable[[Worker], None] | None = None) -> None:
+                 on_failure: Callable[[Worker], None] | None = None, speculator: Speculator | None = None) -> None:
         self.runner, self.threads = runner, threads  # threads: torch intra-op threads of this worker (None: as set)
         self.name, self.on_failure = name, on_failure
-        self.scheduler = Scheduler(runner, max_batched_tokens=max_batched_tokens, max_running=max_running)
+        self.scheduler = Scheduler(runner, max_batched_tokens=max_batched_tokens, max_running=max_running,
+                                   speculator=speculator)
         self._inbox: queue.SimpleQueue[Generation | EmbeddingJob | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._stopping = False
@@ -180,11 +182,23 @@ class WorkerPool:
     def generated_tokens(self) -> int:
         return sum(w.generated_tokens for w in self.workers)
 
-    def stats(self) -> dict[str, int]:
-        """Load and KV-cache figures summed over the workers (cached but unreferenced blocks count as free)."""
+    def stats(self) -> dict[str, int | float | str | list[int] | None]:
+        """Load and KV-cache figures summed over the workers (cached but unreferenced blocks count as free), and
+        speculative decoding's (vLLM's spec_decode names; the rates None without any draft)."""
         blocks = [w.runner.blocks for w in self.workers if w.runner.blocks is not None]  # an encoder has none
+        spec = [w.scheduler.speculator.stats for w in self.workers if w.scheduler.speculator is not None]
+        drafts, drafted = sum(s.num_drafts for s in spec), sum(s.num_draft_tokens for s in spec)
+        accepted = sum(s.num_accepted_tokens for s in spec)
+        method = next((w.scheduler.speculator.config.method for w in self.workers
+                       if w.scheduler.speculator is not None), None)
         return {"running": self.running, "queued": self.queued, "generated_tokens": self.generated_tokens,
                 "kv_blocks_total": sum(b.num_blocks for b in blocks), "kv_blocks_used": sum(b.num_used for b in blocks),
                 "prefix_cache_queried_tokens": sum(b.queries for b in blocks),
                 "prefix_cache_hit_tokens": sum(b.hits for b in blocks),
-                "preemptions": sum(w.scheduler.preemptions for w in self.workers)}
+                "preemptions": sum(w.scheduler.preemptions for w in self.workers),
+                "speculative": method, "spec_decode_num_drafts": drafts, "spec_decode_num_draft_tokens": drafted,
+                "spec_decode_num_accepted_tokens": accepted,
+                "spec_decode_num_accepted_tokens_per_pos": [sum(col) for col in zip(*(s.accepted_per_position
+                                                                                     for s in spec))],
+                "spec_decode_acceptance_rate": accepted / drafted if drafted else None,
+                "spec_decode_mean_acceptance_length": 1 + accepted / drafts if drafts else None}

@@ -548,3 +548,70 @@ def test_random_operations_keep_the_invariants(seed, prefix_caching):
 def test_any_operation_sequence_keeps_the_invariants(rng, prefix_caching, bs, steps):
     """The same operations with hypothesis choosing them (and shrinking a failure to a short sequence)."""
     _random_run(rng, prefix_caching, steps, bs)
+
+
+# ---------------------------------------------------------------------------------------------------
+# speculative decoding: rolling rejected tokens back
+
+
+def test_rollback_forgets_rejected_tokens_and_their_cache_entries():
+    bm = BlockManager(8, 4)
+    pool = Pool(bm)
+    seq = new(bm, [1, 2, 3, 4, 5, 6])
+    pool.compute(seq)
+    seq.tokens += [7, 8, 9, 10, 11]  # the pending token 7, then drafts 8..11 verified in one pass
+    pool.compute(seq)
+    assert len(seq.block_hashes) == 2 and len(bm._hash_of) == 2  # [5, 6, 7, 8] was registered with draft 8
+    bm.rollback(seq, 8)  # 7 and 8 accepted: the first two blocks stay valid, the third goes back
+    assert (seq.tokens, seq.num_computed, len(seq.block_table), len(bm._hash_of)) == ([1, 2, 3, 4, 5, 6, 7, 8], 8, 2, 2)
+    bm.rollback(seq, 7)  # 8 rejected after all: its block leaves the prefix cache
+    assert (seq.num_computed, len(seq.block_table), len(seq.block_hashes), len(bm._hash_of)) == (7, 2, 1, 1)
+    probe = KVSequence([1, 2, 3, 4, 5, 6, 7, 8, 0])
+    assert bm.match_prefix(probe, 9) == 4
+    bm.release(probe)
+    seq.tokens += [99]  # the target's own token where 8 was
+    pool.compute(seq)
+    check_invariants(bm, [seq], pool)
+    with pytest.raises(ValueError):
+        bm.rollback(seq, 9)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_speculation_keeps_the_invariants(seed):
+    """Sequences (some sharing prefixes) that draft, verify and roll back at random: a block registered while it
+    held rejected tokens would hold other tokens once the real ones are written, which check_invariants catches."""
+    rng = random.Random(seed)
+    bs = rng.choice([1, 2, 3, 4])
+    bm = BlockManager(rng.randint(10, 24), bs)
+    pool = Pool(bm)
+    live: list[KVSequence] = []
+    unregistered = 0
+    for _ in range(300):
+        op = rng.choice(["new", "speculate", "speculate", "speculate", "release"])
+        if op == "new" or not live:
+            seq = KVSequence([rng.randrange(3) for _ in range(rng.randint(1, 10))])
+            bm.match_prefix(seq, len(seq.tokens) - 1)
+            try:
+                pool.compute(seq)
+            except NoFreeBlocks:
+                bm.release(seq)
+                continue
+            seq.tokens.append(rng.randrange(3))  # its first sampled token, pending
+            live.append(seq)
+        elif op == "speculate":
+            seq = rng.choice(live)
+            start, length = seq.num_computed, len(seq.tokens)
+            seq.tokens += [rng.randrange(3) for _ in range(rng.randint(1, 5))]
+            try:
+                pool.compute(seq)
+            except NoFreeBlocks:
+                del seq.tokens[length:]
+                continue
+            registered = len(bm._hash_of)
+            bm.rollback(seq, rng.randint(start + 1, len(seq.tokens)))
+            unregistered += len(bm._hash_of) < registered
+            seq.tokens.append(rng.randrange(3))  # the target's token after the accepted ones
+        else:
+            bm.release(live.pop(rng.randrange(len(live))))
+        check_invariants(bm, live, pool)
+    assert unregistered > 0

@@ -179,8 +179,8 @@ def test_bad_values_are_generation_errors_naming_the_field(smollm: Runner) -> No
     run_with(smollm, scenario)
     with pytest.raises(ValueError, match="unknown preset 'nope'"):
         Generator.builder("smollm2-135m").preset("nope")
-    with pytest.raises(NotImplementedError, match="draft_model"):
-        Generator.builder("smollm2-135m").draft("smollm2-135m", 4)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        Generator.builder("smollm2-135m").draft("self-int4", 0).settings()
     with pytest.raises(ValueError, match="encoder"):
         asyncio.run(Generator.builder("all-minilm-l6-v2").build())
 
@@ -189,7 +189,7 @@ def test_the_builder_and_the_sync_wrapper_serve_the_real_model(smollm: Runner, r
     prompt = "The three primary colors are"
     expected = ref.generate(smollm.tokenizer.encode(prompt), 6)
     builder = (Generator.builder("smollm2-135m").cpu().precise().max_tokens(6).prefix_cache(False).offline().quiet()
-               .setting("dtype", "float32").setting("max_context", 512))
+               .setting("dtype", "float32").setting("max_context", 512).draft("self-int4", 3))
     with builder.build_sync() as gen:
         assert isinstance(gen, SyncGenerator)
         assert (gen.model_name, gen.device, gen.context_size, gen.vocab_size) == \
@@ -200,6 +200,9 @@ def test_the_builder_and_the_sync_wrapper_serve_the_real_model(smollm: Runner, r
         assert batch[0].token_ids == batch[2].token_ids == expected
         assert batch[1].token_ids == ref.generate(ref.chat_ids(ASK), 6)
         assert "".join(gen.stream_text(prompt)) == ref.text(expected)
+        # the int4 draft's tokens were verified by the float32 target, which kept its own greedy tokens above
+        spec = gen.generator.state.pool.stats()
+        assert spec["speculative"] == "draft" and spec["spec_decode_num_accepted_tokens"] > 0, spec
         runner = gen.generator.state.runner
         for i, _ in enumerate(gen.stream(prompt, {"max_tokens": 200, "ignore_eos": True})):
             if i == 2:

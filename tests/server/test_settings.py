@@ -111,3 +111,19 @@ def test_pooling_takes_last_or_mean(monkeypatch: pytest.MonkeyPatch) -> None:
     assert Settings().pooling == "mean" and Settings(pooling="last").pooling == "last"
     with pytest.raises(ValidationError):
         Settings(pooling="max")
+
+
+def test_speculation_settings_are_coherent() -> None:
+    assert Settings().speculative_method is None
+    assert Settings(speculative="NGRAM").speculative_method == "ngram"
+    assert Settings(draft_model="self-int4").speculative_method == "draft"  # a draft model implies it
+    assert Settings(draft_model="self-int4", speculative="draft").speculative_method == "draft"
+    for bad in (dict(speculative="draft"), dict(speculative="ngram", draft_model="self-int4"),
+                dict(ngram_min=3, ngram_max=2), dict(num_speculative_tokens=0)):
+        with pytest.raises(ValidationError):
+            Settings(**bad)
+
+
+def test_a_missing_draft_model_stops_the_start(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--draft-model", "/no/such/draft.gguf"]) == 2
+    assert "draft model not found" in capsys.readouterr().err

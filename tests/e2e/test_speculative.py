@@ -1,0 +1,74 @@
+"""Speculative decoding on a real server: `--speculative ngram` answers exactly what the engine decodes without it
+(greedy, concurrent requests, a stop string), and reports its acceptance in /health and /metrics."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from greedy_reference import Reference
+from server_process import EXACT, ServerProcess, start_server, stop_server
+
+MODEL = "smollm2-135m"
+CODE = '''def total(items):
+    result = 0
+    for item in items:
+        result += item.price * item.quantity
+    return result
+
+
+def cheapest(items):
+    return min(items, key=lambda item: item.price)
+'''
+COPY = [{"role": "user", "content": f"Repeat this code exactly, with `total` renamed to `order_total`:\n\n{CODE}"}]
+FREE = [{"role": "user", "content": "Write two sentences about the sea."}]
+
+
+@pytest.fixture(scope="module")
+def spec_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    srv = start_server(tmp_path_factory.mktemp("spec"), "--model", MODEL, *EXACT, "--speculative", "ngram",
+                       "--num-speculative-tokens", "4")
+    yield srv
+    stop_server(srv)
+
+
+def test_greedy_outputs_equal_the_engine_without_speculation(spec_server: ServerProcess, ref: Reference) -> None:
+    expected = {name: ref.generate(ref.chat_ids(messages), 32) for name, messages in (("copy", COPY), ("free", FREE))}
+    text = ref.text(expected["copy"])
+    stop = text[len(text) // 2:len(text) // 2 + 4]
+
+    async def main() -> list:
+        client = openai.AsyncOpenAI(base_url=f"{spec_server.base_url}/v1", api_key="unused", max_retries=0,
+                                    timeout=120)
+
+        async def ask(messages: list[dict], **kw) -> openai.types.chat.ChatCompletion:
+            return await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32,
+                                                        temperature=0, **kw)
+
+        async with client:
+            return await asyncio.gather(ask(COPY), ask(FREE), ask(COPY, logprobs=True), ask(COPY, stop=[stop]))
+
+    copy, free, logged, stopped = asyncio.run(main())
+    assert copy.choices[0].message.content == ref.text(expected["copy"])
+    assert free.choices[0].message.content == ref.text(expected["free"])
+    assert logged.choices[0].message.content == ref.text(expected["copy"])
+    target = ref.logprobs(ref.chat_ids(COPY), expected["copy"])
+    got = [t.logprob for t in logged.choices[0].logprobs.content]
+    assert got == pytest.approx([float(target[i, t]) for i, t in enumerate(expected["copy"])], abs=1e-4)
+    # A stop string in the middle of the copied text cuts there.
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].message.content == text[:text.index(stop)]
+
+    health = httpx.get(f"{spec_server.base_url}/health").json()
+    assert health["speculative"] == "ngram"
+    assert health["spec_decode_num_drafts"] > 0
+    assert 0 < health["spec_decode_num_accepted_tokens"] <= health["spec_decode_num_draft_tokens"]
+    assert health["spec_decode_acceptance_rate"] == pytest.approx(
+        health["spec_decode_num_accepted_tokens"] / health["spec_decode_num_draft_tokens"])
+    metrics = httpx.get(f"{spec_server.base_url}/metrics").text
+    accepted = next(line for line in metrics.splitlines()
+                    if line.startswith("emberserve:spec_decode_num_accepted_tokens_total"))
+    assert float(accepted.split()[-1]) == health["spec_decode_num_accepted_tokens"]
+    assert 'emberserve:spec_decode_num_accepted_tokens_per_pos_total{position="0"}' in metrics
