@@ -197,20 +197,17 @@ def tool_uses(m: anthropic.types.Message) -> list[Any]:
     return uses
 
 
-@pytest.mark.parametrize("choice, chat_choice", [
-    ({"type": "any", "disable_parallel_tool_use": True}, "required"),
-    ({"type": "tool", "name": "get_time"}, {"type": "function", "function": {"name": "get_time"}})])
-def test_forced_tool_use_is_valid_and_chats_call(claude: anthropic.Anthropic, client: openai.OpenAI, choice: Any,
-                                                 chat_choice: Any) -> None:
+def test_a_named_tool_is_used_with_valid_input_as_chat_calls_it(claude: anthropic.Anthropic,
+                                                                 client: openai.OpenAI) -> None:
+    choice = {"type": "tool", "name": "get_time"}
     m = claude.messages.create(model=MODEL, max_tokens=60, messages=ASK, tools=TOOLS, tool_choice=choice,
                                extra_body=GREEDY)
     [use] = tool_uses(m)
-    assert m.stop_reason == "tool_use" and [b.type for b in m.content] == ["tool_use"]
-    if choice["type"] == "tool":
-        assert use.name == "get_time"
-    chat = client.chat.completions.create(model=MODEL, messages=ASK, tools=CHAT_TOOLS, tool_choice=chat_choice,
-                                          max_tokens=60, temperature=0, parallel_tool_calls=False).choices[0].message
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in chat.tool_calls] == [(use.name, use.input)]
+    assert m.stop_reason == "tool_use" and [b.type for b in m.content] == ["tool_use"] and use.name == "get_time"
+    chat = client.chat.completions.create(model=MODEL, messages=ASK, tools=CHAT_TOOLS, max_tokens=60, temperature=0,
+                                          tool_choice={"type": "function", "function": {"name": "get_time"}})
+    calls = chat.choices[0].message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [(use.name, use.input)]
     # The prompt holds the tools (those tool_choice leaves): count_tokens counts them, as the answer's usage does.
     counted = claude.messages.count_tokens(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice).input_tokens
     assert counted == m.usage.input_tokens + m.usage.cache_read_input_tokens
@@ -224,31 +221,37 @@ def test_a_tool_result_goes_into_the_next_turn(claude: anthropic.Anthropic, clie
     results = [{"type": "tool_result", "tool_use_id": u.id, "content": [{"type": "text", "text": "18 degrees"}]}
                for u in uses]
     history = [*ASK, {"role": "assistant", "content": first.content}, {"role": "user", "content": results}]
-    second = claude.messages.create(model=MODEL, max_tokens=24, messages=history, tools=TOOLS, extra_body=GREEDY)
+    # tool_choice none: the answer is text (the earlier calls and results are still in the prompt).
+    second = claude.messages.create(model=MODEL, max_tokens=24, messages=history, tools=TOOLS,
+                                    tool_choice={"type": "none"}, extra_body=GREEDY)
     # The same conversation in chat's shape: assistant tool_calls, then tool messages.
     calls = [{"id": u.id, "type": "function", "function": {"name": u.name, "arguments": json.dumps(u.input)}}
              for u in uses]
     chat = client.chat.completions.create(
-        model=MODEL, tools=CHAT_TOOLS, max_tokens=24, temperature=0,
+        model=MODEL, tools=CHAT_TOOLS, tool_choice="none", max_tokens=24, temperature=0,
         messages=[*ASK, {"role": "assistant", "content": "", "tool_calls": calls},
                   *[{"role": "tool", "tool_call_id": u.id, "content": "18 degrees"} for u in uses]])
     assert second.usage.input_tokens + second.usage.cache_read_input_tokens == chat.usage.prompt_tokens
-    assert chat.usage.prompt_tokens > first.usage.input_tokens + first.usage.cache_read_input_tokens + 10
-    text = "".join(b.text for b in second.content if b.type == "text")
-    chat_calls = [(c.function.name, json.loads(c.function.arguments)) for c in chat.choices[0].message.tool_calls or []]
-    assert (text, [(u.name, u.input) for u in tool_uses(second)]) == (chat.choices[0].message.content or "",
-                                                                      chat_calls)
+    # count_tokens reads the same blocks; a longer result is a longer prompt.
+    count = {"model": MODEL, "tools": TOOLS, "tool_choice": {"type": "none"}}
+    assert claude.messages.count_tokens(**count, messages=history).input_tokens == chat.usage.prompt_tokens
+    longer = [{**r, "content": "18 degrees, sunny, a light wind from the west"} for r in results]
+    assert claude.messages.count_tokens(**count, messages=[*history[:2], {"role": "user", "content": longer}]) \
+        .input_tokens > chat.usage.prompt_tokens + 5 * len(uses)
+    assert [b.type for b in second.content] == ["text"] and second.content[0].text == chat.choices[0].message.content
+    assert second.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[chat.choices[0].finish_reason]
 
 
 def test_streamed_input_json_deltas_concatenate_to_the_input(claude: anthropic.Anthropic) -> None:
-    kwargs = dict(model=MODEL, max_tokens=80, messages=ASK, tools=TOOLS, tool_choice={"type": "any"},
-                  extra_body=GREEDY)
+    kwargs = dict(model=MODEL, max_tokens=80, messages=ASK, tools=TOOLS,
+                  tool_choice={"type": "any", "disable_parallel_tool_use": True}, extra_body=GREEDY)
     whole = claude.messages.create(**kwargs)
     with claude.messages.stream(**kwargs) as stream:
         events = [e for e in stream if e.type in ("message_start", "content_block_start", "ping",
                                                   "content_block_delta", "content_block_stop", "message_delta",
                                                   "message_stop")]
         final = stream.get_final_message()
+    assert [b.type for b in whole.content] == ["tool_use"] and whole.stop_reason == "tool_use"  # one call: "any"
     starts = [e for e in events if e.type == "content_block_start"]
     assert [s.content_block.type for s in starts] == ["tool_use"] * len(tool_uses(whole))
     assert all(s.content_block.input == {} for s in starts)

@@ -251,28 +251,26 @@ def calls_of(r: Response) -> list[Any]:
     return calls
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "get_time"}])
-def test_forced_calls_are_function_call_items_valid_against_the_schema(client: openai.OpenAI, choice: Any) -> None:
-    r = client.responses.create(model=MODEL, input=ASK, tools=TOOLS, tool_choice=choice, max_output_tokens=60,
-                                temperature=0, store=False, parallel_tool_calls=False)
+def test_a_named_function_is_called_with_arguments_valid_against_its_schema(client: openai.OpenAI) -> None:
+    r = client.responses.create(model=MODEL, input=ASK, tools=TOOLS, max_output_tokens=60, temperature=0,
+                                tool_choice={"type": "function", "name": "get_time"}, store=False)
     [call] = calls_of(r)
     assert r.status == "completed" and r.output_text == "" and [i.type for i in r.output] == ["function_call"]
-    if isinstance(choice, dict):
-        assert call.name == "get_time"
-    # The same calls chat makes for the same conversation (one path), and the request's tools echoed.
-    chat_choice = choice if isinstance(choice, str) else {"type": "function", "function": {"name": "get_time"}}
+    assert call.name == "get_time" and r.tool_choice.name == "get_time"
+    # The same call chat makes for the same conversation (one path), and the request's tools echoed.
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK}], tools=CHAT_TOOLS,
-                                          tool_choice=chat_choice, max_tokens=60, temperature=0,
-                                          parallel_tool_calls=False).choices[0].message
+                                          tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                          max_tokens=60, temperature=0).choices[0].message
     assert [(c.function.name, c.function.arguments) for c in chat.tool_calls] == [(call.name, call.arguments)]
-    assert [t.name for t in r.tools] == ["get_weather", "get_time"] and r.parallel_tool_calls is False
+    assert [t.name for t in r.tools] == ["get_weather", "get_time"] and r.parallel_tool_calls is True
 
 
 def test_a_function_call_output_goes_into_the_next_turn(client: openai.OpenAI) -> None:
     # One call at a time all along: the tools' prompt (which says how to call) stays the same for every turn.
     same = dict(model=MODEL, tools=TOOLS, parallel_tool_calls=False, temperature=0)
     first = client.responses.create(**same, input=ASK, tool_choice="required", max_output_tokens=60)
-    [call] = calls_of(first)
+    [call] = calls_of(first)  # exactly one call (parallel_tool_calls false), and no text
+    assert first.status == "completed" and first.output_text == "" and first.parallel_tool_calls is False
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees and sunny"}
     chained = client.responses.create(**same, previous_response_id=first.id, input=[result], max_output_tokens=24)
     # The same turn with the conversation sent whole: the call given back as an input item.
@@ -295,7 +293,7 @@ def test_a_function_call_output_goes_into_the_next_turn(client: openai.OpenAI) -
 def test_streamed_argument_deltas_concatenate_to_the_final_arguments(client: openai.OpenAI,
                                                                       http: httpx.Client) -> None:
     body = {"model": MODEL, "input": ASK, "tools": TOOLS, "tool_choice": "required", "max_output_tokens": 80,
-            "temperature": 0, "store": False}
+            "temperature": 0, "store": False, "parallel_tool_calls": False}
     events = stream_events(http, body)
     kinds = [data["type"] for _, data in events]
     assert CALL_ORDER.fullmatch(" ".join(kinds)), kinds
