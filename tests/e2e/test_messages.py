@@ -216,7 +216,7 @@ def test_a_named_tool_is_used_with_valid_input_as_chat_calls_it(claude: anthropi
 
 def test_a_tool_result_goes_into_the_next_turn(claude: anthropic.Anthropic, client: openai.OpenAI) -> None:
     first = claude.messages.create(model=MODEL, max_tokens=60, messages=ASK, tools=TOOLS,
-                                   tool_choice={"type": "any"}, extra_body=GREEDY)
+                                   tool_choice={"type": "any", "disable_parallel_tool_use": True}, extra_body=GREEDY)
     uses = tool_uses(first)
     results = [{"type": "tool_result", "tool_use_id": u.id, "content": [{"type": "text", "text": "18 degrees"}]}
                for u in uses]
