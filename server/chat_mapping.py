@@ -3,8 +3,10 @@
 Each maps its request onto a `ChatCompletionRequest` and from there takes the chat path's own steps: the prompt ids
 from the chat template (`chat_prompt_ids`), the sampling values and their defaults (`sampling_params`), the
 context check (`max_tokens`), the Generation (`new_generation`), the worker queue, and the events as they come
-(`events`). Only the shape of the answer is the endpoint's. An error those steps raise names the chat field; it is
-renamed to the endpoint's own field (`max_tokens` becomes `max_output_tokens`, say).
+(`events`), and with them the output's grammar and tool plan (`plan_output`: structured formats and tool calls are
+the chat endpoint's, parsed into the endpoint's blocks by `server.output_blocks`). Only the shape of the answer is
+the endpoint's. An error those steps raise names the chat field; it is renamed to the endpoint's own field
+(`max_tokens` becomes `max_output_tokens`, `tools.0.function.parameters` becomes `tools.0.input_schema`, say).
 """
 from __future__ import annotations
 
@@ -18,12 +20,13 @@ from fastapi import Request
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from .errors import APIError, internal_error, invalid
+from .errors import APIError, error_param, internal_error, invalid
 from .generation import ChoiceDelta, Generation, GenerationDone
 from .protocol import ChatCompletionRequest
 from .serving import OpenAIServing
-from .serving_chat import chat_prompt_ids
+from .serving_chat import OutputPlan, chat_prompt_ids, plan_output
 from .sse import event_json
+from .tool_calls import ToolPlan
 
 log = logging.getLogger("emberserve.serving")
 
@@ -54,11 +57,20 @@ class ChatOutcome:
 
 
 def renamed_param(param: str | None, names: dict[str, str]) -> str | None:
-    """A chat field (or a path into it) as the endpoint names it (`names`: chat field -> endpoint field)."""
+    """A chat field (or a path into it) as the endpoint names it. `names` maps chat paths to the endpoint's, "*"
+    standing for any one segment ("tools.*.function": "tools.*" makes tools.0.function.name tools.0.name); the
+    longest path that matches renames."""
     if param is None:
         return None
-    head, dot, rest = param.partition(".")
-    return names.get(head, head) + dot + rest
+    parts = param.split(".")
+    for chat, own in sorted(names.items(), key=lambda kv: -kv[0].count(".")):
+        pattern = chat.split(".")
+        if len(pattern) > len(parts) or any(p not in ("*", q) for p, q in zip(pattern, parts)):
+            continue
+        stars = iter(q for p, q in zip(pattern, parts) if p == "*")
+        head = [next(stars) if p == "*" else p for p in own.split(".")]
+        return ".".join(head + parts[len(pattern):])
+    return param
 
 
 def renamed(error: APIError, names: dict[str, str]) -> APIError:
@@ -88,25 +100,36 @@ class ChatMappedServing(OpenAIServing):
         try:
             return ChatCompletionRequest.model_validate(fields)
         except ValidationError as e:
-            err = e.errors()[0]
-            param = renamed_param(".".join(str(p) for p in err.get("loc", ())) or None, self.field_names)
-            message = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
-            raise invalid(f"{param}: {message}" if param else message, param=param) from None
+            errors = e.errors()
+            param = renamed_param(error_param(errors), self.field_names)
+            where = renamed_param(error_param(errors[:1]), self.field_names)
+            message = str(errors[0].get("msg", "invalid value")).removeprefix("Value error, ")
+            raise invalid(f"{where}: {message}" if where else message, param=param) from None
 
-    async def prompt_ids(self, chat: ChatCompletionRequest) -> list[int]:
-        """The chat's prompt ids (the chat template, off the event loop)."""
+    def output_plan(self, chat: ChatCompletionRequest) -> OutputPlan:
+        """The chat's grammar and tool plan, as the chat endpoint makes them."""
         with self.own_field_names():
-            return await run_in_threadpool(chat_prompt_ids, self.state, chat.messages, chat.add_generation_prompt)
+            return plan_output(chat, self.tokenizer.chat_template)
 
-    async def start(self, chat: ChatCompletionRequest, rid: str, arrival: float) -> Generation:
-        """The chat's Generation, queued for a worker (429 when the queue is full)."""
-        ids = await self.prompt_ids(chat)
+    async def prompt_ids(self, chat: ChatCompletionRequest, tools: ToolPlan | None) -> list[int]:
+        """The chat's prompt ids (the chat template with the tools, off the event loop)."""
+        with self.own_field_names():
+            return await run_in_threadpool(chat_prompt_ids, self.state, chat.messages, chat.add_generation_prompt,
+                                           tools)
+
+    async def start(self, chat: ChatCompletionRequest, rid: str, arrival: float) -> tuple[Generation, ToolPlan | None]:
+        """The chat's Generation, queued for a worker (429 when the queue is full), and the tool plan its output
+        is parsed with (None: text only)."""
+        plan = self.output_plan(chat)
+        with self.own_field_names():
+            grammar = await self.compile_grammar(plan.grammar)
+        ids = await self.prompt_ids(chat, plan.tools)
         with self.own_field_names():
             max_tokens = self.completion_budget(chat, len(ids), "max_completion_tokens")
             params = self.sampling_params(chat, False, 0)
-            gen = self.new_generation(chat, ids, params, max_tokens, rid, arrival)
+            gen = self.new_generation(chat, ids, params, max_tokens, rid, arrival, grammar=grammar)
         self.submit([gen])
-        return gen
+        return gen, plan.calls
 
     async def collect(self, gen: Generation, request: Request) -> ChatOutcome:
         """Run `gen` to its end (cancelled if the client goes away first: then a 499 nobody reads)."""

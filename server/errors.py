@@ -51,9 +51,13 @@ class APIError(Exception):
         return ErrorResponse(error=detail).model_dump()
 
     def anthropic_body(self) -> dict[str, Any]:
-        """Anthropic's envelope: `{"type": "error", "error": {"type", "message"}}`."""
+        """Anthropic's envelope: `{"type": "error", "error": {"type", "message"}}`. It has no `param`: the message
+        begins with the field at fault, as Anthropic's own do ("tools.0.input_schema: ...")."""
         kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
-        return AnthropicErrorResponse(error=AnthropicError(type=kind, message=self.message)).model_dump()
+        message = self.message
+        if self.param is not None and not message.startswith(self.param):
+            message = f"{self.param}: {message}"
+        return AnthropicErrorResponse(error=AnthropicError(type=kind, message=message)).model_dump()
 
     def response(self, path: str = "") -> JSONResponse:
         """The error's JSON response, in the envelope of the API that `path` belongs to."""
@@ -75,7 +79,7 @@ def _param_from_loc(loc: tuple[Any, ...]) -> str | None:
     return ".".join(parts) or None
 
 
-def _error_param(errors: list[dict[str, Any]]) -> str | None:
+def error_param(errors: list[dict[str, Any]]) -> str | None:
     """The field at fault: none for unparsable JSON; for a union's per-member errors, the field they share."""
     if not errors or errors[0].get("type") == "json_invalid":
         return None
@@ -139,7 +143,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         message = "; ".join(_validation_message(e) for e in errors[:5]) or "invalid request"
-        return answer(request.app, invalid(message, param=_error_param(errors)), request.url.path)
+        return answer(request.app, invalid(message, param=error_param(errors)), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

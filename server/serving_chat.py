@@ -5,6 +5,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -13,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from .errors import APIError, invalid
 from .generation import ChoiceDelta, Generation, GenerationDone, TokenLogprob
-from .grammar import StructuredOutputError
+from .grammar import GrammarSpec, StructuredOutputError
 from .protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatMessage,
                        FunctionCall, ResponseMessage, TokenLogprob as TokenLogprobModel, ToolCall)
 from .serving import ModelState, OpenAIServing, cancel, request_id
@@ -37,6 +38,39 @@ def chat_prompt_ids(state: ModelState, messages: list[ChatMessage], add_generati
         raise invalid(e.message, param=e.param) from None
     except (TemplateError, ValueError, TypeError) as e:
         raise invalid(f"the model's chat template rejected the messages: {e}", param="messages") from None
+
+
+@dataclass(frozen=True)
+class OutputPlan:
+    """What a chat request holds its output to: the grammar (the response format's, or the tool calls' with the
+    response format's answer in it) and the tool plan (None without tools)."""
+
+    grammar: GrammarSpec | None
+    tools: ToolPlan | None
+
+    @property
+    def calls(self) -> ToolPlan | None:
+        """The tool plan when the output is parsed for calls (not with tool_choice "none")."""
+        return self.tools if self.tools is not None and self.tools.parses_calls else None
+
+
+def plan_output(req: ChatCompletionRequest, template: str) -> OutputPlan:
+    """The output plan of a chat request (`template`: the model's chat template, which says the call format); a 400
+    naming the field when its format or tools cannot be honoured. Every endpoint on the chat path plans here."""
+    try:
+        spec = output_grammar(req.response_format, req.structured_outputs)
+        response = None
+        if spec is not None and req.tools and req.tool_choice != "none":
+            if spec.kind != "json_schema":
+                raise StructuredOutputError("with tools, only a JSON response_format can shape the answer",
+                                            spec.param)
+            response = json.loads(spec.source)
+        tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, template, response)
+    except StructuredOutputError as e:
+        raise invalid(e.message, param=e.param) from None
+    if tools is not None and tools.grammar is not None:
+        spec = tools.grammar  # the calls' grammar, with the response_format's answer in it
+    return OutputPlan(spec, tools)
 
 
 def finish_reason(reason: str | None, parser: ToolCallParser | None) -> str | None:
@@ -67,28 +101,15 @@ class ChatServing(OpenAIServing):
         self.log_unknown_fields(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise invalid("top_logprobs requires logprobs to be true", param="top_logprobs")
-        try:
-            spec = output_grammar(req.response_format, req.structured_outputs)
-            response = None
-            if spec is not None and req.tools and req.tool_choice != "none":
-                if spec.kind != "json_schema":
-                    raise StructuredOutputError("with tools, only a JSON response_format can shape the answer",
-                                                spec.param)
-                response = json.loads(spec.source)
-            tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tokenizer.chat_template,
-                               response)
-        except StructuredOutputError as e:
-            raise invalid(e.message, param=e.param) from None
-        if tools is not None and tools.grammar is not None:
-            spec = tools.grammar  # the calls' grammar, with the response_format's answer in it
-        grammar = await self.compile_grammar(spec)
-        ids = await run_in_threadpool(chat_prompt_ids, self.state, req.messages, req.add_generation_prompt, tools)
+        plan = plan_output(req, self.tokenizer.chat_template)
+        grammar = await self.compile_grammar(plan.grammar)
+        ids = await run_in_threadpool(chat_prompt_ids, self.state, req.messages, req.add_generation_prompt, plan.tools)
         max_tokens = self.completion_budget(req, len(ids), "max_completion_tokens", "max_tokens")
         params = self.sampling_params(req, req.logprobs, req.top_logprobs or 0)
         rid = request_id("chatcmpl")
         gen = self.new_generation(req, ids, params, max_tokens, rid, arrival, grammar=grammar)
         self.submit([gen])
-        calls = tools if tools is not None and tools.parses_calls else None
+        calls = plan.calls
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return sse_response(self._stream(gen, req.model, include_usage, calls), on_close=lambda: cancel([gen]),

@@ -1,12 +1,16 @@
 """POST /v1/messages (Anthropic's Messages API) and /v1/messages/count_tokens, on the chat path.
 
-A request maps onto a chat completion (`chat_fields`): `system` as the system message, then the turns; the answer
-is one text block, with `stop_reason` end_turn (an end token), stop_sequence (naming it) or max_tokens. Anthropic
-counts cache reads apart from the input: `usage.input_tokens` are the prompt tokens computed for this request,
-`cache_read_input_tokens` those the prefix cache served.
+A request maps onto a chat completion (`chat_fields`): `system` as the system message, then the turns (an
+assistant's tool_use blocks as its `tool_calls`, a user's tool_result blocks as `tool` messages), and the tools and
+tool_choice in chat's shape, so the output is held to the same grammar and its calls parsed by the same parser.
+The answer's blocks (`server.output_blocks`) are text and tool_use blocks, with `stop_reason` tool_use (calls
+made), end_turn (an end token), stop_sequence (naming it) or max_tokens. Anthropic counts cache reads apart from
+the input: `usage.input_tokens` are the prompt tokens computed for this request, `cache_read_input_tokens` those
+the prefix cache served.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,30 +22,96 @@ from fastapi import Request
 from .chat_mapping import ChatMappedServing, ChatOutcome, named_event
 from .errors import APIError, invalid
 from .generation import Generation
-from .protocol_anthropic import (AnthropicConversation, AnthropicResponseText, AnthropicUsage, CountTokensRequest,
-                                 MessageResponse, MessagesRequest, StopReason, TokenCount, joined)
+from .output_blocks import BlockEvent, OutputBlock, OutputBlocks, call_input
+from .protocol_anthropic import (AnthropicConversation, AnthropicMessage, AnthropicResponseText, AnthropicToolUse,
+                                 AnthropicUsage, CountTokensRequest, MessageResponse, MessagesRequest, StopReason,
+                                 TextBlock, TokenCount, ToolChoice, ToolResultBlock, joined)
 from .serving import cancel
 from .sse import sse_response
+from .tool_calls import ToolPlan
+
+CHAT_TOOL_CHOICE = {"auto": "auto", "any": "required", "none": "none"}
 
 
-def refuse_unsupported(req: AnthropicConversation) -> None:
-    """400 for what needs tool calling (issue 14's machinery, not wired in yet) or continuing a prefill."""
-    if req.tools:
-        raise invalid("tools are not supported yet", param="tools")
-    if req.tool_choice is not None and req.tool_choice.get("type") not in ("auto", "none"):
-        raise invalid("tool_choice other than 'auto' or 'none' needs tools, which are not supported yet",
-                      param="tool_choice")
-    if req.messages[-1].role == "assistant":
-        raise invalid("a last message from the assistant (a prefill for the answer to continue) is not "
-                      "supported yet: end with a user message", param="messages")
+def tool_use_id() -> str:
+    return f"toolu_{uuid.uuid4().hex[:24]}"
+
+
+def chat_tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
+    """An Anthropic client tool as chat's function tool; a 400 naming the field for a server tool or no schema."""
+    kind = tool.get("type", "custom")
+    if kind != "custom":
+        raise invalid(f"tools of type {kind!r} (server tools) are not supported: only client tools with an "
+                      "input_schema", param=f"tools.{i}.type")
+    if "input_schema" not in tool:
+        raise invalid("Field required", param=f"tools.{i}.input_schema")
+    function = {"name": tool.get("name"), "parameters": tool["input_schema"]}
+    if "description" in tool:
+        function["description"] = tool["description"]
+    return {"type": "function", "function": function}
+
+
+def tool_choice_fields(choice: ToolChoice) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    if choice.type == "tool":
+        if choice.name is None:
+            raise invalid("a tool_choice of type 'tool' names the tool", param="tool_choice.name")
+        fields["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+    else:
+        fields["tool_choice"] = CHAT_TOOL_CHOICE[choice.type]
+    if choice.disable_parallel_tool_use:
+        fields["parallel_tool_calls"] = False
+    return fields
+
+
+def _result_text(block: ToolResultBlock) -> str:
+    text = joined(block.content)
+    return f"Error: {text}" if block.is_error else text
+
+
+def chat_turns(i: int, m: AnthropicMessage) -> list[dict[str, Any]]:
+    """One Anthropic turn as chat messages: tool_result blocks become `tool` messages where they stand, the text
+    around them user messages; an assistant's tool_use blocks its `tool_calls`."""
+    if isinstance(m.content, str):
+        return [{"role": m.role, "content": m.content}]
+    out: list[dict[str, Any]] = []
+    text: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for j, block in enumerate(m.content):
+        if isinstance(block, TextBlock):
+            text.append(block.text)
+            continue
+        wanted = "assistant" if block.type == "tool_use" else "user"
+        if m.role != wanted:
+            raise invalid(f"{block.type} blocks belong in {wanted} messages", param=f"messages.{i}.content.{j}")
+        if isinstance(block, ToolResultBlock):
+            if text:
+                out.append({"role": "user", "content": "".join(text)})
+                text = []
+            out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _result_text(block)})
+        else:
+            calls.append({"id": block.id, "type": "function",
+                          "function": {"name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}})
+    if calls:
+        out.append({"role": "assistant", "content": "".join(text), "tool_calls": calls})
+    elif text or not out:
+        out.append({"role": m.role, "content": "".join(text)})
+    return out
 
 
 def conversation_fields(req: AnthropicConversation) -> dict[str, Any]:
-    """The chat messages of an Anthropic conversation: `system` first, then each turn's text."""
-    refuse_unsupported(req)
+    """The chat messages, tools and tool_choice of an Anthropic conversation: `system` first, then each turn."""
+    if req.messages[-1].role == "assistant":
+        raise invalid("a last message from the assistant (a prefill for the answer to continue) is not "
+                      "supported yet: end with a user message", param="messages")
     system = [{"role": "system", "content": joined(req.system)}] if req.system is not None else []
-    turns = [{"role": m.role, "content": joined(m.content)} for m in req.messages]
-    return {"model": req.model, "messages": system + turns}
+    turns = [message for i, m in enumerate(req.messages) for message in chat_turns(i, m)]
+    fields: dict[str, Any] = {"model": req.model, "messages": system + turns}
+    if req.tools is not None:
+        fields["tools"] = [chat_tool(i, t) for i, t in enumerate(req.tools)]
+    if req.tool_choice is not None:
+        fields.update(tool_choice_fields(req.tool_choice))
+    return fields
 
 
 def chat_fields(req: MessagesRequest) -> dict[str, Any]:
@@ -50,10 +120,12 @@ def chat_fields(req: MessagesRequest) -> dict[str, Any]:
             "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "stream": req.stream}
 
 
-def stop_reason(outcome: ChatOutcome) -> tuple[StopReason, str | None]:
+def stop_reason(outcome: ChatOutcome, blocks: OutputBlocks) -> tuple[StopReason, str | None]:
     """Anthropic's stop_reason and stop_sequence for how the choice ended."""
     if outcome.finish_reason == "length":
         return "max_tokens", None
+    if blocks.calls:
+        return "tool_use", None
     if isinstance(outcome.stop_reason, str):
         return "stop_sequence", outcome.stop_reason
     return "end_turn", None
@@ -64,10 +136,19 @@ def usage(outcome: ChatOutcome) -> AnthropicUsage:
                           output_tokens=outcome.completion_tokens, cache_read_input_tokens=outcome.cached_tokens)
 
 
+def content_block(block: OutputBlock) -> AnthropicResponseText | AnthropicToolUse:
+    if block.kind == "text":
+        return AnthropicResponseText(text=block.text)
+    return AnthropicToolUse(id=block.call_id, name=block.name, input=call_input(block))
+
+
 class MessagesServing(ChatMappedServing):
     """Anthropic's Messages API over the served model's chat template."""
 
-    field_names = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
+    field_names = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences",
+                   "tools.*.function.parameters": "tools.*.input_schema", "tools.*.function": "tools.*",
+                   "tool_choice.function": "tool_choice",
+                   "parallel_tool_calls": "tool_choice.disable_parallel_tool_use"}
 
     async def create(self, req: MessagesRequest, request: Request) -> MessageResponse | Any:
         arrival = time.perf_counter()
@@ -75,30 +156,33 @@ class MessagesServing(ChatMappedServing):
         self.log_unknown_fields(req)
         chat = self.chat_request(chat_fields(req))
         rid = f"msg_{uuid.uuid4().hex}"
-        gen = await self.start(chat, rid, arrival)
+        gen, tools = await self.start(chat, rid, arrival)
         if req.stream:
-            return sse_response(self.guarded(self._stream(gen, req.model), self._failure),
+            return sse_response(self.guarded(self._stream(gen, req.model, tools), self._failure),
                                 on_close=lambda: cancel([gen]), send_timeout=self.state.stream_timeout)
         outcome = await self.collect(gen, request)
-        reason, sequence = stop_reason(outcome)
-        return MessageResponse(id=rid, model=req.model, content=[AnthropicResponseText(text=outcome.text)],
+        blocks = OutputBlocks(tools, tool_use_id)
+        blocks.push(outcome.text)
+        blocks.finish()
+        reason, sequence = stop_reason(outcome, blocks)
+        return MessageResponse(id=rid, model=req.model, content=[content_block(b) for b in blocks.blocks],
                                stop_reason=reason, stop_sequence=sequence, usage=usage(outcome))
 
     async def count_tokens(self, req: CountTokensRequest) -> TokenCount:
+        """The prompt's tokens: the conversation and the tools, as the chat template writes them."""
         self.check_model(req.model)
         self.log_unknown_fields(req)
         chat = self.chat_request(conversation_fields(req))
-        return TokenCount(input_tokens=len(await self.prompt_ids(chat)))
+        plan = self.output_plan(chat)
+        return TokenCount(input_tokens=len(await self.prompt_ids(chat, plan.tools)))
 
-    async def _stream(self, gen: Generation, model: str) -> AsyncIterator[dict[str, str]]:
-        """message_start, one text block (start, ping, deltas, stop), message_delta with the stop reason and the
-        usage totals, message_stop."""
+    async def _stream(self, gen: Generation, model: str, tools: ToolPlan | None) -> AsyncIterator[dict[str, str]]:
+        """message_start, then each block as it is written (content_block_start, ping after the first, its
+        deltas, content_block_stop), message_delta with the stop reason and the usage totals, message_stop."""
         start = MessageResponse(id=gen.request_id, model=model, content=[], stop_reason=None, stop_sequence=None,
                                 usage=AnthropicUsage(input_tokens=len(gen.prompt_ids), output_tokens=0))
         yield named_event("message_start", {"type": "message_start", "message": start.model_dump()})
-        yield named_event("content_block_start", {"type": "content_block_start", "index": 0,
-                                                  "content_block": {"type": "text", "text": ""}})
-        yield named_event("ping", {"type": "ping"})
+        blocks = OutputBlocks(tools, tool_use_id)
         outcome, pending = ChatOutcome(), ""
         # Everything already waiting is read before anything is sent: a reader that falls behind gets one delta
         # for several tokens.
@@ -106,21 +190,34 @@ class MessagesServing(ChatMappedServing):
             async for _, event in events:
                 pending += outcome.add(event)
                 if pending and gen.channel.empty():
-                    yield self._delta(pending)
+                    for change in blocks.push(pending):
+                        for e in self._block_events(change):
+                            yield e
                     pending = ""
-        if pending:
-            yield self._delta(pending)
-        yield named_event("content_block_stop", {"type": "content_block_stop", "index": 0})
-        reason, sequence = stop_reason(outcome)
+        for change in blocks.push(pending) + blocks.finish():
+            for e in self._block_events(change):
+                yield e
+        reason, sequence = stop_reason(outcome, blocks)
         yield named_event("message_delta", {"type": "message_delta",
                                             "delta": {"stop_reason": reason, "stop_sequence": sequence},
                                             "usage": usage(outcome).model_dump()})
         yield named_event("message_stop", {"type": "message_stop"})
 
     @staticmethod
-    def _delta(text: str) -> dict[str, str]:
-        return named_event("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                   "delta": {"type": "text_delta", "text": text}})
+    def _block_events(change: BlockEvent) -> list[dict[str, str]]:
+        block, index = change.block, change.index
+        if change.kind == "open":
+            opened = AnthropicResponseText(text="") if block.kind == "text" else \
+                AnthropicToolUse(id=block.call_id, name=block.name, input={})
+            start = named_event("content_block_start", {"type": "content_block_start", "index": index,
+                                                        "content_block": opened.model_dump()})
+            return [start, named_event("ping", {"type": "ping"})] if index == 0 else [start]
+        if change.kind == "delta":
+            delta = {"type": "text_delta", "text": change.delta} if block.kind == "text" else \
+                {"type": "input_json_delta", "partial_json": change.delta}
+            return [named_event("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                        "delta": delta})]
+        return [named_event("content_block_stop", {"type": "content_block_stop", "index": index})]
 
     @staticmethod
     def _failure(error: APIError) -> list[dict[str, str]]:

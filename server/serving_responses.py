@@ -1,18 +1,20 @@
 """POST /v1/responses (OpenAI's Responses API) on the chat path, and the stored responses' routes.
 
-A request maps onto a chat completion (`chat_fields`): `instructions` as the system message, the turns of the
-response named by `previous_response_id`, then `input`. With `store` (the default) the response is kept in a
-`ResponseStore` with its conversation so far, so that the next turn names it instead of resending it; its prompt
-then begins with the tokens the last turn already computed, which the prefix cache serves.
+A request maps onto a chat completion (`server.responses_input`): `instructions` as the system message, the turns
+of the response named by `previous_response_id`, then `input`; tools, tool_choice and text.format are chat's, so
+the output is held to the same grammar and its calls parsed by the same parser. The output's blocks
+(`server.output_blocks`) become output items: a message with one output_text part per run of text, a
+function_call item per call. With `store` (the default) the response is kept in a `ResponseStore` with its
+conversation so far, so that the next turn names it instead of resending it; its prompt then begins with the
+tokens the last turn already computed, which the prefix cache serves.
 """
 from __future__ import annotations
 
 import itertools
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -21,21 +23,23 @@ from .chat_mapping import ChatMappedServing, ChatOutcome, named_event
 from .errors import APIError, invalid
 from .generation import Generation
 from .metrics import ServerMetrics
-from .protocol_responses import (IncompleteDetails, InputItemList, InputMessage, InputMessageItem,
-                                 InputTokensDetails, OutputMessage, OutputText, ResponseDeleted, ResponseObject,
-                                 ResponsesRequest, ResponseUsage)
+from .output_blocks import BlockEvent, OutputBlock, OutputBlocks
+from .protocol_responses import (FunctionCallItem, IncompleteDetails, InputItemList, InputTokensDetails,
+                                 OutputMessage, OutputText, ResponseDeleted, ResponseObject, ResponsesRequest,
+                                 ResponseUsage, StoredInputItem)
 from .response_store import ResponseStore
+from .responses_input import (FIELD_NAMES, Message, chat_fields, echoed_tools, input_messages, new_id,
+                              stored_input_items)
 from .serving import ModelState, cancel
 from .sse import sse_response
-
-Message = dict[str, str]  # one chat message: {"role", "content"}
+from .tool_calls import ToolPlan
 
 
 @dataclass(frozen=True)
 class StoredResponse:
     response: ResponseObject
-    input_items: list[InputMessageItem]  # this turn's own input, as GET .../input_items lists it
-    conversation: list[Message]          # every turn up to this response's answer, without the instructions
+    input_items: list[StoredInputItem]  # this turn's own input, as GET .../input_items lists it
+    conversation: list[Message]         # every turn up to this response's answer, without the instructions
 
 
 @dataclass(frozen=True)
@@ -43,64 +47,43 @@ class _Turn:
     """One request's response as known before generating: what its response object echoes."""
 
     id: str
-    message_id: str
     created_at: int
     req: ResponsesRequest
     history: list[Message]
     inputs: list[Message]
     temperature: float
     top_p: float
+    tools: ToolPlan | None                                  # the plan the output's calls are parsed with
+    item_ids: dict[int, str] = field(default_factory=dict)  # each output block's item id, made as it opens
 
 
-def refuse_unsupported(req: ResponsesRequest) -> None:
-    """400 for what needs tool calling or structured outputs (issue 14's machinery, not wired in yet)."""
-    if req.tools:
-        raise invalid("tools are not supported yet", param="tools")
-    if req.tool_choice not in (None, "auto", "none"):
-        raise invalid("tool_choice other than 'auto' or 'none' needs tools, which are not supported yet",
-                      param="tool_choice")
-    fmt = req.text.format if req.text is not None else None
-    if fmt is not None and fmt.type != "text":
-        raise invalid(f"text.format of type {fmt.type!r} is not supported yet: only 'text'", param="text.format")
+def _item_id(turn: _Turn, index: int, block: OutputBlock) -> str:
+    return turn.item_ids.setdefault(index, new_id("msg" if block.kind == "text" else "fc"))
 
 
-def input_messages(items: str | list[InputMessage]) -> list[Message]:
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}]
-    return [{"role": item.role, "content": item.text()} for item in items]
+def output_item(block: OutputBlock, item_id: str, status: str) -> OutputMessage | FunctionCallItem:
+    if block.kind == "text":
+        return OutputMessage(id=item_id, status=status, content=[OutputText(text=block.text)])
+    return FunctionCallItem(id=item_id, call_id=block.call_id, name=block.name, arguments=block.text, status=status)
 
 
-def chat_fields(req: ResponsesRequest, history: list[Message], inputs: list[Message]) -> dict[str, Any]:
-    """The chat completion request that a Responses request is."""
-    system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
-    return {"model": req.model, "messages": system + history + inputs, "max_completion_tokens": req.max_output_tokens,
-            "temperature": req.temperature, "top_p": req.top_p, "preset": req.preset, "stream": req.stream}
+def _status(outcome: ChatOutcome) -> str:
+    return "incomplete" if outcome.finish_reason == "length" else "completed"
 
 
-def _new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def _input_items(items: str | list[InputMessage]) -> list[InputMessageItem]:
-    """The request's input as stored items, each with an id of its own."""
-    if isinstance(items, str):
-        return [InputMessageItem(id=_new_id("msg"), role="user", content=[{"type": "input_text", "text": items}])]
-    out = []
-    for item in items:
-        if isinstance(item.content, str):
-            kind = "output_text" if item.role == "assistant" else "input_text"
-            content = [{"type": kind, "text": item.content}]
-        else:
-            content = [{"type": part.type, "text": part.text} for part in item.content]
-        out.append(InputMessageItem(id=_new_id("msg"), role=item.role, content=content))
-    return out
+def _answer(blocks: OutputBlocks) -> Message:
+    """The assistant turn the output is in the stored conversation."""
+    calls = [{"id": b.call_id, "type": "function", "function": {"name": b.name, "arguments": b.text}}
+             for b in blocks.calls]
+    if not calls:
+        return {"role": "assistant", "content": blocks.text}
+    return {"role": "assistant", "content": blocks.text or None, "tool_calls": calls}
 
 
 class ResponsesServing(ChatMappedServing):
     """POST /v1/responses, and GET / DELETE of the responses it stored."""
 
-    field_names = {"messages": "input", "max_completion_tokens": "max_output_tokens",
-                   "max_tokens": "max_output_tokens"}
+    field_names = FIELD_NAMES
 
     def __init__(self, state: ModelState, metrics: ServerMetrics, store: ResponseStore[StoredResponse]) -> None:
         super().__init__(state, metrics)
@@ -110,19 +93,21 @@ class ResponsesServing(ChatMappedServing):
         arrival = time.perf_counter()
         self.check_model(req.model)
         self.log_unknown_fields(req)
-        refuse_unsupported(req)
         history = self._history(req.previous_response_id)
         inputs = input_messages(req.input)
         chat = self.chat_request(chat_fields(req, history, inputs))
-        rid = _new_id("resp")
-        gen = await self.start(chat, rid, arrival)
-        turn = _Turn(rid, _new_id("msg"), int(time.time()), req, history, inputs, gen.params.temperature,
-                     gen.params.top_p)
+        rid = new_id("resp")
+        gen, tools = await self.start(chat, rid, arrival)
+        turn = _Turn(rid, int(time.time()), req, history, inputs, gen.params.temperature, gen.params.top_p, tools)
         if req.stream:
             numbers = itertools.count()
             return sse_response(self.guarded(self._stream(gen, turn, numbers), self._failure(numbers)),
                                 on_close=lambda: cancel([gen]), send_timeout=self.state.stream_timeout)
-        return self._finish(turn, await self.collect(gen, request))
+        outcome = await self.collect(gen, request)
+        blocks = OutputBlocks(tools)
+        blocks.push(outcome.text)
+        blocks.finish()
+        return self._finish(turn, outcome, blocks)
 
     def _history(self, previous_id: str | None) -> list[Message]:
         if previous_id is None:
@@ -133,32 +118,40 @@ class ResponsesServing(ChatMappedServing):
                            param="previous_response_id", code="previous_response_not_found")
         return stored.conversation
 
-    def _response(self, turn: _Turn, status: str, output: list[OutputMessage],
+    def _response(self, turn: _Turn, status: str, output: list[OutputMessage | FunctionCallItem],
                   usage: ResponseUsage | None) -> ResponseObject:
         req = turn.req
+        fmt = req.text.format if req.text is not None else None
+        text = {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt is not None else {"type": "text"}}
         return ResponseObject(
             id=turn.id, created_at=turn.created_at, status=status, model=req.model, output=output,
-            output_text="".join(part.text for item in output for part in item.content),
+            output_text="".join(part.text for item in output if isinstance(item, OutputMessage)
+                                for part in item.content),
             incomplete_details=IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
             instructions=req.instructions, max_output_tokens=req.max_output_tokens,
+            parallel_tool_calls=req.parallel_tool_calls is not False,
             previous_response_id=req.previous_response_id, store=req.store, temperature=turn.temperature,
-            top_p=turn.top_p, tool_choice=req.tool_choice if isinstance(req.tool_choice, str) else "auto",
-            usage=usage, metadata=req.metadata or {}, user=req.user)
+            top_p=turn.top_p, tool_choice=req.tool_choice if req.tool_choice is not None else "auto",
+            tools=echoed_tools(req), text=text, usage=usage, metadata=req.metadata or {}, user=req.user)
 
-    def _finish(self, turn: _Turn, outcome: ChatOutcome) -> ResponseObject:
+    def _output(self, turn: _Turn, blocks: OutputBlocks, status: str) -> list[OutputMessage | FunctionCallItem]:
+        """The output items: every block complete but the last, which ends as the response does."""
+        last = len(blocks.blocks) - 1
+        return [output_item(b, _item_id(turn, i, b), status if i == last else "completed")
+                for i, b in enumerate(blocks.blocks)]
+
+    def _finish(self, turn: _Turn, outcome: ChatOutcome, blocks: OutputBlocks) -> ResponseObject:
         """The finished response, stored when the request asked for it."""
-        status = "incomplete" if outcome.finish_reason == "length" else "completed"
-        message = OutputMessage(id=turn.message_id, status=status, content=[OutputText(text=outcome.text)])
+        status = _status(outcome)
         usage = ResponseUsage(input_tokens=outcome.prompt_tokens,
                               input_tokens_details=InputTokensDetails(cached_tokens=outcome.cached_tokens,
                                                                       cache_write_tokens=self._written(outcome)),
                               output_tokens=outcome.completion_tokens,
                               total_tokens=outcome.prompt_tokens + outcome.completion_tokens)
-        response = self._response(turn, status, [message], usage)
+        response = self._response(turn, status, self._output(turn, blocks, status), usage)
         if turn.req.store:
-            answer = {"role": "assistant", "content": outcome.text}
-            self.store.put(turn.id, StoredResponse(response, _input_items(turn.req.input),
-                                                   [*turn.history, *turn.inputs, answer]))
+            self.store.put(turn.id, StoredResponse(response, stored_input_items(turn.req.input),
+                                                   [*turn.history, *turn.inputs, _answer(blocks)]))
         return response
 
     def _written(self, outcome: ChatOutcome) -> int:
@@ -169,8 +162,11 @@ class ResponsesServing(ChatMappedServing):
         return max(0, outcome.prompt_tokens // blocks.block_size * blocks.block_size - outcome.cached_tokens)
 
     async def _stream(self, gen: Generation, turn: _Turn, numbers: itertools.count) -> AsyncIterator[dict[str, str]]:
-        """The published event order: created, in_progress, the output item and its text part opened, text
-        deltas, then each closed again in turn, and completed (or incomplete, when cut by max_output_tokens)."""
+        """The published event order: created, in_progress, then for each output item as it is written its
+        opening (output_item.added, and content_part.added for a message), its deltas (output_text.delta or
+        function_call_arguments.delta) and its closing (output_text.done and content_part.done, or
+        function_call_arguments.done; then output_item.done), and completed (or incomplete, when cut by
+        max_output_tokens)."""
 
         def event(kind: str, **fields: Any) -> dict[str, str]:
             return named_event(kind, {"type": kind, "sequence_number": next(numbers), **fields})
@@ -178,10 +174,7 @@ class ResponsesServing(ChatMappedServing):
         started = self._response(turn, "in_progress", [], None).model_dump()
         yield event("response.created", response=started)
         yield event("response.in_progress", response=started)
-        opened = OutputMessage(id=turn.message_id, status="in_progress", content=[])
-        yield event("response.output_item.added", output_index=0, item=opened.model_dump())
-        where = {"item_id": turn.message_id, "output_index": 0, "content_index": 0}
-        yield event("response.content_part.added", **where, part=OutputText(text="").model_dump())
+        blocks = OutputBlocks(turn.tools)
         outcome, pending = ChatOutcome(), ""
         # Everything already waiting is read before anything is sent: a reader that falls behind gets one delta
         # for several tokens.
@@ -189,17 +182,46 @@ class ResponsesServing(ChatMappedServing):
             async for _, item in events:
                 pending += outcome.add(item)
                 if pending and gen.channel.empty():
-                    yield event("response.output_text.delta", **where, delta=pending, logprobs=[])
+                    for change in blocks.push(pending):
+                        for e in self._item_events(turn, change, "completed", event):
+                            yield e
                     pending = ""
-        if pending:
-            yield event("response.output_text.delta", **where, delta=pending, logprobs=[])
-        response = self._finish(turn, outcome)
-        message = response.output[0]
-        yield event("response.output_text.done", **where, text=outcome.text, logprobs=[])
-        yield event("response.content_part.done", **where, part=message.content[0].model_dump())
-        yield event("response.output_item.done", output_index=0, item=message.model_dump())
+        status = _status(outcome)
+        for change in blocks.push(pending) + blocks.finish():
+            last = change.index == len(blocks.blocks) - 1
+            for e in self._item_events(turn, change, status if last else "completed", event):
+                yield e
+        response = self._finish(turn, outcome, blocks)
         kind = "response.completed" if response.status == "completed" else "response.incomplete"
         yield event(kind, response=response.model_dump())
+
+    @staticmethod
+    def _item_events(turn: _Turn, change: BlockEvent, status: str,
+                     event: Callable[..., dict[str, str]]) -> Iterator[dict[str, str]]:
+        """The events of one change to an output item (`status`: the item's, when this closes it)."""
+        block, index = change.block, change.index
+        item_id = _item_id(turn, index, block)
+        where = {"item_id": item_id, "output_index": index}
+        text = block.kind == "text"
+        if change.kind == "open":
+            opened = OutputMessage(id=item_id, status="in_progress", content=[]) if text else \
+                FunctionCallItem(id=item_id, call_id=block.call_id, name=block.name, arguments="", status="in_progress")
+            yield event("response.output_item.added", output_index=index, item=opened.model_dump())
+            if text:
+                yield event("response.content_part.added", **where, content_index=0,
+                            part=OutputText(text="").model_dump())
+        elif change.kind == "delta" and text:
+            yield event("response.output_text.delta", **where, content_index=0, delta=change.delta, logprobs=[])
+        elif change.kind == "delta":
+            yield event("response.function_call_arguments.delta", **where, delta=change.delta)
+        else:
+            item = output_item(block, item_id, status)
+            if text:
+                yield event("response.output_text.done", **where, content_index=0, text=block.text, logprobs=[])
+                yield event("response.content_part.done", **where, content_index=0, part=item.content[0].model_dump())
+            else:
+                yield event("response.function_call_arguments.done", **where, name=block.name, arguments=block.text)
+            yield event("response.output_item.done", output_index=index, item=item.model_dump())
 
     @staticmethod
     def _failure(numbers: itertools.count) -> Callable[[APIError], list[dict[str, str]]]:

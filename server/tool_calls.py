@@ -18,13 +18,14 @@ answer with that JSON instead of text (the content is the JSON), or call; the fo
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from .grammar import JSON_FORMAT, GrammarSpec, StructuredOutputError
 from .protocol import ChatMessage, NamedToolChoice, ToolDefinition
 from .structured_outputs import check_json_schema
-from .tool_parser import ToolCallParser, ToolFormatName
+from .tool_parser import ToolCallParser, ToolFormatName, new_call_id
 
 __all__ = ["GENERIC_TOOL_PROMPT", "ToolPlan", "plan_tools", "template_messages", "tool_format"]
 
@@ -61,9 +62,10 @@ class ToolPlan:
     def parses_calls(self) -> bool:
         return self.choice != "none"
 
-    def parser(self) -> ToolCallParser:
+    def parser(self, new_id: Callable[[], str] = new_call_id) -> ToolCallParser:
+        """A parser of one choice's output; `new_id` makes the calls' ids (the endpoint's own prefix)."""
         return ToolCallParser(self.format, start_marker=HERMES_START, end_marker=HERMES_END,
-                              json_response=self.json_response)
+                              json_response=self.json_response, new_id=new_id)
 
 
 def _check_tools(tools: list[ToolDefinition]) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import anthropic
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -116,9 +117,29 @@ BAD = {
     "no max_tokens": ({"messages": [{"role": "user", "content": "Hi"}]}, 400, "invalid_request_error", ["max_tokens"]),
     "image block": ({"max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
                     400, "invalid_request_error", ["image", "supported yet"]),
-    "tools": ({"max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}],
-               "tools": [{"name": "f", "input_schema": {"type": "object"}}]}, 400, "invalid_request_error",
-              ["tools", "not supported yet"]),
+    "server tool": ({"max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}],
+                     "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400, "invalid_request_error",
+                    ["tools.0.type", "web_search_20250305"]),
+    "tool_choice naming no tool": ({"max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}],
+                                    "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+                                    "tool_choice": {"type": "tool", "name": "g"}}, 400, "invalid_request_error",
+                                   ["tool_choice", "'g'"]),
+    "input_schema not an object schema": ({"max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}],
+                                           "tools": [{"name": "f", "input_schema": {"type": "string"}}]},
+                                          400, "invalid_request_error", ["tools.0.input_schema", "object"]),
+    "tool without input_schema": ({"max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}],
+                                   "tools": [{"name": "f"}]}, 400, "invalid_request_error", ["tools.0.input_schema"]),
+    "tool_choice tool without a name": ({"max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}],
+                                         "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+                                         "tool_choice": {"type": "tool"}}, 400, "invalid_request_error",
+                                        ["tool_choice.name"]),
+    "tool_choice any without tools": ({"max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}],
+                                       "tool_choice": {"type": "any"}}, 400, "invalid_request_error",
+                                      ["tool_choice", "tools"]),
+    "tool_result from the assistant": ({"max_tokens": 2, "messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "1"}]},
+        {"role": "user", "content": "Hi"}]}, 400, "invalid_request_error", ["messages.1.content.0", "user"]),
     "assistant prefill": ({"max_tokens": 2, "messages": [{"role": "user", "content": "Hi"},
                                                          {"role": "assistant", "content": "Hel"}]},
                           400, "invalid_request_error", ["assistant"]),
@@ -151,3 +172,94 @@ def test_the_anthropic_client_raises_its_own_errors_and_other_routes_keep_openai
     assert_anthropic_envelope(http.get("/v1/messages/nowhere"), 404, "not_found_error")
     assert_anthropic_envelope(http.get("/v1/messages"), 405, "invalid_request_error")
     assert set(http.post("/v1/chat/completions", content=b"{not json").json()) == {"error"}  # still OpenAI's
+
+
+# ---- tools: chat's own machinery, so greedy calls are chat's ----
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"type": "string", "pattern": "^[A-Z][a-z]{1,10}/[A-Z][a-z]{1,10}$"}},
+        "required": ["zone"], "additionalProperties": False}
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+TOOLS = [{"name": "get_weather", "description": "Current weather in a city", "input_schema": WEATHER},
+         {"name": "get_time", "description": "Local time in a zone", "input_schema": TIME}]
+CHAT_TOOLS = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
+                                                "parameters": t["input_schema"]}} for t in TOOLS]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def tool_uses(m: anthropic.types.Message) -> list[Any]:
+    uses = [b for b in m.content if b.type == "tool_use"]
+    for use in uses:
+        assert use.id.startswith("toolu_")
+        jsonschema.validate(use.input, SCHEMAS[use.name])
+    return uses
+
+
+def test_a_named_tool_is_used_with_valid_input_as_chat_calls_it(claude: anthropic.Anthropic,
+                                                                 client: openai.OpenAI) -> None:
+    choice = {"type": "tool", "name": "get_time"}
+    m = claude.messages.create(model=MODEL, max_tokens=60, messages=ASK, tools=TOOLS, tool_choice=choice,
+                               extra_body=GREEDY)
+    [use] = tool_uses(m)
+    assert m.stop_reason == "tool_use" and [b.type for b in m.content] == ["tool_use"] and use.name == "get_time"
+    chat = client.chat.completions.create(model=MODEL, messages=ASK, tools=CHAT_TOOLS, max_tokens=60, temperature=0,
+                                          tool_choice={"type": "function", "function": {"name": "get_time"}})
+    calls = chat.choices[0].message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [(use.name, use.input)]
+    # The prompt holds the tools (those tool_choice leaves): count_tokens counts them, as the answer's usage does.
+    counted = claude.messages.count_tokens(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice).input_tokens
+    assert counted == m.usage.input_tokens + m.usage.cache_read_input_tokens
+    assert counted > claude.messages.count_tokens(model=MODEL, messages=ASK).input_tokens + 50
+
+
+def test_a_tool_result_goes_into_the_next_turn(claude: anthropic.Anthropic, client: openai.OpenAI) -> None:
+    first = claude.messages.create(model=MODEL, max_tokens=60, messages=ASK, tools=TOOLS,
+                                   tool_choice={"type": "any", "disable_parallel_tool_use": True}, extra_body=GREEDY)
+    uses = tool_uses(first)
+    results = [{"type": "tool_result", "tool_use_id": u.id, "content": [{"type": "text", "text": "18 degrees"}]}
+               for u in uses]
+    history = [*ASK, {"role": "assistant", "content": first.content}, {"role": "user", "content": results}]
+    # tool_choice none: the answer is text (the earlier calls and results are still in the prompt).
+    second = claude.messages.create(model=MODEL, max_tokens=24, messages=history, tools=TOOLS,
+                                    tool_choice={"type": "none"}, extra_body=GREEDY)
+    # The same conversation in chat's shape: assistant tool_calls, then tool messages.
+    calls = [{"id": u.id, "type": "function", "function": {"name": u.name, "arguments": json.dumps(u.input)}}
+             for u in uses]
+    chat = client.chat.completions.create(
+        model=MODEL, tools=CHAT_TOOLS, tool_choice="none", max_tokens=24, temperature=0,
+        messages=[*ASK, {"role": "assistant", "content": "", "tool_calls": calls},
+                  *[{"role": "tool", "tool_call_id": u.id, "content": "18 degrees"} for u in uses]])
+    assert second.usage.input_tokens + second.usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    # count_tokens reads the same blocks; a longer result is a longer prompt.
+    count = {"model": MODEL, "tools": TOOLS, "tool_choice": {"type": "none"}}
+    assert claude.messages.count_tokens(**count, messages=history).input_tokens == chat.usage.prompt_tokens
+    longer = [{**r, "content": "18 degrees, sunny, a light wind from the west"} for r in results]
+    assert claude.messages.count_tokens(**count, messages=[*history[:2], {"role": "user", "content": longer}]) \
+        .input_tokens > chat.usage.prompt_tokens + 5 * len(uses)
+    assert [b.type for b in second.content] == ["text"] and second.content[0].text == chat.choices[0].message.content
+    assert second.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[chat.choices[0].finish_reason]
+
+
+def test_streamed_input_json_deltas_concatenate_to_the_input(claude: anthropic.Anthropic) -> None:
+    kwargs = dict(model=MODEL, max_tokens=80, messages=ASK, tools=TOOLS,
+                  tool_choice={"type": "any", "disable_parallel_tool_use": True}, extra_body=GREEDY)
+    whole = claude.messages.create(**kwargs)
+    with claude.messages.stream(**kwargs) as stream:
+        events = [e for e in stream if e.type in ("message_start", "content_block_start", "ping",
+                                                  "content_block_delta", "content_block_stop", "message_delta",
+                                                  "message_stop")]
+        final = stream.get_final_message()
+    assert [b.type for b in whole.content] == ["tool_use"] and whole.stop_reason == "tool_use"  # one call: "any"
+    starts = [e for e in events if e.type == "content_block_start"]
+    assert [s.content_block.type for s in starts] == ["tool_use"] * len(tool_uses(whole))
+    assert all(s.content_block.input == {} for s in starts)
+    for s in starts:
+        mine = [e for e in events if getattr(e, "index", None) == s.index]
+        assert mine[0] is s and mine[-1].type == "content_block_stop"
+        fragments = "".join(e.delta.partial_json for e in mine if e.type == "content_block_delta")
+        assert all(e.delta.type == "input_json_delta" for e in mine if e.type == "content_block_delta")
+        assert json.loads(fragments) == final.content[s.index].input == whole.content[s.index].input
+    assert [(u.name, u.input) for u in tool_uses(final)] == [(u.name, u.input) for u in tool_uses(whole)]
+    assert final.stop_reason == "tool_use" and events[-2].delta.stop_reason == "tool_use"

@@ -12,6 +12,7 @@ import typing
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
@@ -185,12 +186,21 @@ def test_input_items_delete_and_store_false(client: openai.OpenAI) -> None:
 
 # (body fields, the param the 400 names, words its message has)
 REFUSED = {
-    "tools": ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools", ["not supported yet"]),
-    "json_schema": ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format",
-                    ["json_schema", "not supported yet"]),
+    "hosted tool": ({"tools": [{"type": "web_search"}]}, "tools.0.type", ["web_search"]),
+    "second tool hosted": ({"tools": [{"type": "function", "name": "f"}, {"type": "file_search"}]}, "tools.1.type",
+                           ["file_search"]),
+    "tool_choice naming no tool": ({"tools": [{"type": "function", "name": "f"}],
+                                    "tool_choice": {"type": "function", "name": "g"}}, "tool_choice", ["'g'"]),
+    "parameters not an object schema": ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]},
+                                        "tools.0.parameters", ["object"]),
+    "tool without a name": ({"tools": [{"type": "function", "parameters": {}}]}, "tools.0.name", ["name"]),
+    "json_schema without a schema": ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema",
+                                     ["schema"]),
+    "not a JSON schema": ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 5}}}},
+                          "text.format.schema", ["JSON Schema"]),
+    "unknown text format": ({"text": {"format": {"type": "yaml"}}}, "text.format.type", ["json_schema"]),
     "tool_choice required": ({"tool_choice": "required"}, "tool_choice", ["tools"]),
-    "function_call_output item": ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]},
-                                  "input", ["function_call_output"]),
+    "item_reference item": ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", ["item_reference"]),
     "image part": ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input",
                    ["input_image"]),
     "temperature 3": ({"temperature": 3}, "temperature", ["temperature"]),
@@ -200,7 +210,7 @@ REFUSED = {
 
 
 @pytest.mark.parametrize("case", REFUSED, ids=list(REFUSED))
-def test_what_is_not_supported_yet_is_a_400_naming_the_field(http: httpx.Client, case: str) -> None:
+def test_bad_or_unsupported_fields_are_a_400_naming_the_field(http: httpx.Client, case: str) -> None:
     fields, param, words = REFUSED[case]
     r = http.post("/v1/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 2, **fields})
     assert r.status_code == 400, r.text
@@ -213,3 +223,115 @@ def test_a_text_format_of_text_is_accepted(client: openai.OpenAI) -> None:
     r = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, store=False,
                                 text={"format": {"type": "text"}})
     assert r.text.format.type == "text" and r.status == "incomplete"
+
+
+# ---- tools and structured formats: chat's own machinery, so greedy answers are chat's ----
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"type": "string", "pattern": "^[A-Z][a-z]{1,10}/[A-Z][a-z]{1,10}$"}},
+        "required": ["zone"], "additionalProperties": False}
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+TOOLS = [{"type": "function", "name": "get_weather", "description": "Current weather in a city", "parameters": WEATHER},
+         {"type": "function", "name": "get_time", "description": "Local time in a zone", "parameters": TIME}]
+CHAT_TOOLS = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in TOOLS]
+ASK = "What is the weather in Paris?"
+# A function call's events, in the published order: the item added, argument deltas, arguments done, item done.
+CALL_ORDER = re.compile(r"response\.created response\.in_progress (response\.output_item\.added "
+                        r"(response\.function_call_arguments\.delta )+response\.function_call_arguments\.done "
+                        r"response\.output_item\.done )+response\.completed")
+
+
+def calls_of(r: Response) -> list[Any]:
+    calls = [item for item in r.output if item.type == "function_call"]
+    for call in calls:
+        assert call.id.startswith("fc_") and call.call_id.startswith("call_") and call.status == "completed"
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    return calls
+
+
+def test_a_named_function_is_called_with_arguments_valid_against_its_schema(client: openai.OpenAI) -> None:
+    r = client.responses.create(model=MODEL, input=ASK, tools=TOOLS, max_output_tokens=60, temperature=0,
+                                tool_choice={"type": "function", "name": "get_time"}, store=False)
+    [call] = calls_of(r)
+    assert r.status == "completed" and r.output_text == "" and [i.type for i in r.output] == ["function_call"]
+    assert call.name == "get_time" and r.tool_choice.name == "get_time"
+    # The same call chat makes for the same conversation (one path), and the request's tools echoed.
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK}], tools=CHAT_TOOLS,
+                                          tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                          max_tokens=60, temperature=0).choices[0].message
+    assert [(c.function.name, c.function.arguments) for c in chat.tool_calls] == [(call.name, call.arguments)]
+    assert [t.name for t in r.tools] == ["get_weather", "get_time"] and r.parallel_tool_calls is True
+
+
+def test_a_function_call_output_goes_into_the_next_turn(client: openai.OpenAI) -> None:
+    # One call at a time all along: the tools' prompt (which says how to call) stays the same for every turn.
+    same = dict(model=MODEL, tools=TOOLS, parallel_tool_calls=False, temperature=0)
+    first = client.responses.create(**same, input=ASK, tool_choice="required", max_output_tokens=60)
+    [call] = calls_of(first)  # exactly one call (parallel_tool_calls false), and no text
+    assert first.status == "completed" and first.output_text == "" and first.parallel_tool_calls is False
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees and sunny"}
+    chained = client.responses.create(**same, previous_response_id=first.id, input=[result], max_output_tokens=24)
+    # The same turn with the conversation sent whole: the call given back as an input item.
+    resent = client.responses.create(**same, max_output_tokens=24, store=False,
+                                     input=[{"role": "user", "content": ASK}, call.model_dump(exclude_none=True),
+                                            result])
+    assert chained.usage.input_tokens == resent.usage.input_tokens > first.usage.input_tokens + 10
+
+    def answer(r: Response) -> list[tuple[Any, ...]]:  # a call may be cut short by max_output_tokens here
+        return [(i.type, i.status, getattr(i, "name", None), getattr(i, "arguments", None),
+                 [p.text for p in getattr(i, "content", [])]) for i in r.output]
+
+    assert answer(chained) == answer(resent) and chained.output
+    # The chained turn's prompt begins with the first one's (whole blocks from the prefix cache).
+    assert chained.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens // BLOCK * BLOCK > 0
+    [item] = client.responses.input_items.list(chained.id).data
+    assert (item.type, item.call_id, item.output) == ("function_call_output", call.call_id, "18 degrees and sunny")
+
+
+def test_streamed_argument_deltas_concatenate_to_the_final_arguments(client: openai.OpenAI,
+                                                                      http: httpx.Client) -> None:
+    body = {"model": MODEL, "input": ASK, "tools": TOOLS, "tool_choice": "required", "max_output_tokens": 80,
+            "temperature": 0, "store": False, "parallel_tool_calls": False}
+    events = stream_events(http, body)
+    kinds = [data["type"] for _, data in events]
+    assert CALL_ORDER.fullmatch(" ".join(kinds)), kinds
+    assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
+    for _, data in events:
+        EVENT_TYPES[data["type"]].model_validate(data)
+    final = events[-1][1]["response"]
+    calls = [item for item in final["output"] if item["type"] == "function_call"]
+    assert calls and calls == [data["item"] for _, data in events if data["type"] == "response.output_item.done"]
+    for index, call in enumerate(calls):
+        mine = [data for _, data in events if data.get("output_index") == index]
+        assert mine[0]["item"] == {**call, "arguments": "", "status": "in_progress"}
+        deltas = "".join(d["delta"] for d in mine if d["type"] == "response.function_call_arguments.delta")
+        done = next(d for d in mine if d["type"] == "response.function_call_arguments.done")
+        assert deltas == done["arguments"] == call["arguments"] and done["item_id"] == call["id"]
+        jsonschema.validate(json.loads(deltas), SCHEMAS[call["name"]])
+    whole = client.responses.create(**body)  # unstreamed: the same calls (ids aside)
+    assert [(c.name, c.arguments) for c in calls_of(whole)] == [(c["name"], c["arguments"]) for c in calls]
+
+
+ANSWER = {"type": "object", "properties": {"answer": {"type": "integer"}, "why": {"type": "string", "maxLength": 30}},
+          "required": ["answer", "why"], "additionalProperties": False}
+
+
+def test_text_format_holds_the_output_to_json(client: openai.OpenAI) -> None:
+    fmt = {"type": "json_schema", "name": "answer", "schema": ANSWER, "strict": True}
+    r = client.responses.create(model=MODEL, input=QUESTION, text={"format": fmt}, max_output_tokens=60,
+                                temperature=0, store=False)
+    assert r.status == "completed"
+    jsonschema.validate(json.loads(r.output_text), ANSWER)
+    assert r.text.format.type == "json_schema" and r.text.format.name == "answer"
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}})
+    assert r.output_text == chat.choices[0].message.content
+    anything = client.responses.create(model=MODEL, input="Describe a cat in JSON.", max_output_tokens=30,
+                                       temperature=0, store=False, text={"format": {"type": "json_object"}})
+    if anything.status == "completed":
+        assert isinstance(json.loads(anything.output_text), dict)
+    else:  # cut by max_output_tokens: still the start of an object
+        assert anything.output_text.startswith("{")
