@@ -54,15 +54,18 @@ def _load(settings: Settings, on_worker_failure: Callable[[Worker], None]) -> Mo
     started = time.perf_counter()
     workers = []
     progress = LoadProgress(interactive=None if settings.log_format == "text" else False)
-    # CPU workers share the cores: more OpenMP threads than cores make every one of them sleep at its barriers.
-    threads = max(1, torch.get_num_threads() // settings.workers) if settings.device == "cpu" else None
+    # CPU workers (and tensor-parallel ranks) share the cores: more OpenMP threads than cores make every one of
+    # them sleep at its barriers.
+    processes = settings.workers * settings.tensor_parallel_size
+    threads = max(1, torch.get_num_threads() // processes) if settings.device == "cpu" else None
     max_running = device_default(settings, "max_running")
     for i in range(settings.workers):
         runner = load_runner(settings.model, device=_worker_device(settings, i), dtype=settings.dtype,
                              quant=settings.quant,
                              max_context=settings.max_context, kv_cache_memory=settings.kv_cache_memory,
                              prefix_caching=settings.prefix_caching, progress=progress,
-                             dense_prefill=settings.dense_prefill, deterministic=settings.deterministic)
+                             dense_prefill=settings.dense_prefill, deterministic=settings.deterministic,
+                             tensor_parallel_size=settings.tensor_parallel_size)
         blocks = runner.blocks
         if blocks is None:
             log.info("worker %d: %s on %s; an encoder: embeddings only, no KV cache", i, runner.name, runner.device)
@@ -71,11 +74,20 @@ def _load(settings: Settings, on_worker_failure: Callable[[Worker], None]) -> Mo
                      runner.name, runner.device, blocks.num_blocks, blocks.num_blocks * blocks.block_size,
                      runner.cache.nbytes() / 2**20, str(runner.dtype).removeprefix("torch."),
                      "on" if blocks.prefix_caching else "off")
+        tp = runner.tensor_parallel
         if runner.device.type == "cuda" and settings.cuda_graphs and not runner.is_encoder:
-            runner.capture_cuda_graphs(max_running)
+            if tp is None:
+                runner.capture_cuda_graphs(max_running)
+            else:
+                log.warning("CUDA graphs are not used with tensor parallelism yet: decode steps run eagerly")
         max_batched_tokens = device_default(settings, "max_batched_tokens", encoder=runner.is_encoder)
-        workers.append(Worker(runner, f"worker-{i}", max_batched_tokens=max_batched_tokens,
-                              max_running=max_running, threads=threads, on_failure=on_worker_failure))
+        worker = Worker(runner, f"worker-{i}", max_batched_tokens=max_batched_tokens,
+                        max_running=max_running, threads=threads, on_failure=on_worker_failure)
+        if tp is not None:
+            log.info("worker %d: tensor parallel over %d ranks (%s)", i, tp.size,
+                     torch.distributed.get_backend(tp.group.group))
+            tp.on_failure(worker.fail)  # a rank that dies takes the worker, and so the server, down
+        workers.append(worker)
     pool = WorkerPool(workers, settings.max_queued)
     pool.start()
     runner = workers[0].runner
