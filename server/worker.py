@@ -163,13 +163,12 @@ class WorkerPool:
     def stop(self) -> None:
         for w in self.workers:
             w.stop()
-        for w in self.workers:  # tensor-parallel ranks: told to stop by the worker's last user, if it has ended
-            if w.alive:
-                log.warning("%s did not stop in time; its tensor-parallel ranks are terminated", w.name)
-                if w.runner.tensor_parallel is not None:
-                    w.runner.tensor_parallel.close(graceful=False)
-            else:
+        for w in self.workers:  # a tensor-parallel runner's ranks: stopped from here once its thread has ended
+            if not w.alive:
                 w.runner.close()
+            elif w.runner.tensor_parallel is not None:
+                log.warning("%s did not stop in time: its tensor-parallel ranks are terminated", w.name)
+                w.runner.tensor_parallel.close(graceful=False)
 
     @property
     def failure(self) -> str | None:

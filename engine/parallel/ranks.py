@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..batch import ForwardBatch
-from .messages import MODE_HIDDEN, MODE_LOGITS, MODE_STOP, StepMessage, receive_step, send_step
+from .messages import MODE_HIDDEN, MODE_STOP, StepMessage, receive_step, send_step
 
 if TYPE_CHECKING:
     from ..loader import LoadOptions
@@ -257,8 +257,8 @@ def _rank_main(options: LoadOptions, rank: int, size: int, port: int, parent: in
     _exit_with_parent(parent)
     logging.basicConfig(level=logging.WARNING, format=f"tensor-parallel rank {rank}: %(levelname)s %(message)s")
     device = rank_device(torch.device(options.device), rank)
-    if device.type == "cpu":  # the ranks share the cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    if device.type == "cpu":  # the ranks share the cores (torch's count: OMP_NUM_THREADS, else the cores)
+        torch.set_num_threads(max(1, torch.get_num_threads() // size))
     store = dist.TCPStore(STORE_HOST, port, size, is_master=False, timeout=timedelta(seconds=JOIN_TIMEOUT_S))
     store.set(f"joined/{rank}", "1")
     group = _join(store, rank, size, device)
@@ -277,5 +277,5 @@ def serve_steps(runner: Runner, group: RankGroup) -> None:
         runner.forward_batch(message.batch, message.copies, hidden_states=message.mode == MODE_HIDDEN)
 
 
-__all__ = ["MODE_HIDDEN", "MODE_LOGITS", "RankGroup", "RankProcesses", "TensorParallelFailure", "launch_ranks",
+__all__ = ["RankGroup", "RankProcesses", "TensorParallelFailure", "launch_ranks",
            "serve_steps"]

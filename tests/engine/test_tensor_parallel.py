@@ -76,6 +76,25 @@ def test_two_ranks_give_the_single_process_logits(tiny_zoo, variant: str) -> Non
         assert diff <= TOLERANCE, f"{variant} output {i}: max abs diff {diff:.2e} (scale {float(e.abs().max()):.1f})"
 
 
+def test_int4_weights_split_into_the_same_weights(tiny_zoo) -> None:
+    """Sharding happens before quantization, on 4-bit GGUF blocks: each rank's int4 share holds exactly the rows and
+    groups of the whole (the split points fall on group boundaries), so the logits are the single process's again
+    (float32 activations: only the order of the sums differs)."""
+    tiny = tiny_zoo.model("llama_tied")
+    path = str(tiny_zoo.gguf("llama_tied", "Q4_0"))
+    single = load_runner(path, dtype="float32", quant="int4")
+    expected = _scenario(single, tiny)
+    split = load_runner(path, dtype="float32", quant="int4", tensor_parallel_size=TP)
+    try:
+        assert split.quant == "int4"
+        got = _scenario(split, tiny)
+    finally:
+        split.close()
+    for i, (g, e) in enumerate(zip(got, expected)):
+        diff = float((g - e).abs().max())
+        assert diff <= TOLERANCE, f"int4 output {i}: max abs diff {diff:.2e}"
+
+
 def test_a_model_that_does_not_split_is_refused_before_spawning(tiny_zoo) -> None:
     tiny = tiny_zoo.model("llama_tied")  # 4 heads, 2 KV heads, FFN 128
     with pytest.raises(UnsupportedModelError, match="4 attention heads.*3 tensor-parallel ranks"):
