@@ -20,6 +20,7 @@ from engine.config import ModelConfig, RopeConfig
 from engine.errors import UnsupportedModelError
 from engine.parallel.messages import MODE_HIDDEN, MODE_STOP, StepMessage, decode_step, encode_step
 from engine.parallel.sharding import check_shardable, shard_of
+from engine.quant import Int4Linear
 from tiny_models import prompt_ids
 
 TP = 2
@@ -93,10 +94,14 @@ def test_int4_weights_split_into_the_same_weights(tiny_zoo) -> None:
     expected = _scenario(single, tiny)
     split = load_runner(path, dtype="float32", quant="int4", tensor_parallel_size=TP)
     try:
-        assert split.quant == "int4"
+        for runner in (single, split):  # packed 4-bit shares (the row-parallel one inside its wrapper)
+            attn = runner.model.layers[0].self_attn
+            assert isinstance(attn.qkv_proj, Int4Linear)
+            assert isinstance(getattr(attn.o_proj, "inner", attn.o_proj), Int4Linear)
         got = _scenario(split, tiny)
     finally:
         split.close()
+    assert len(got) == len(expected)
     for i, (g, e) in enumerate(zip(got, expected)):
         diff = float((g - e).abs().max())
         assert diff <= TOLERANCE, f"int4 output {i}: max abs diff {diff:.2e}"
