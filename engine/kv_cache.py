@@ -10,9 +10,10 @@ from .config import ModelConfig
 DEFAULT_BLOCK_SIZE = 16
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of keys and values one token takes across all layers."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, kv_heads: int | None = None) -> int:
+    """Bytes of keys and values one token takes across all layers (of `kv_heads` heads: default the model's)."""
+    heads = cfg.num_kv_heads if kv_heads is None else kv_heads
+    return 2 * cfg.num_layers * heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def gather_blocks(store: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -52,9 +53,10 @@ class PagedKVCache:
     """
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, kv_heads: int | None = None) -> None:
+        """`kv_heads`: the heads this process holds (a tensor-parallel rank's share); default the model's."""
         self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (cfg.num_kv_heads, num_blocks * block_size, cfg.head_dim)
+        shape = (cfg.num_kv_heads if kv_heads is None else kv_heads, num_blocks * block_size, cfg.head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
 

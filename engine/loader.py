@@ -5,17 +5,21 @@ import ctypes
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from .config import EncoderConfig, ModelConfig
-from .errors import ModelFormatError
+from .config import EncoderConfig, ModelConfig, config_from_gguf, config_from_hf
+from .errors import ModelFormatError, UnsupportedModelError
 from .kv_cache import kv_bytes_per_token
 from .models import BertEncoder, DecoderModel, build_model
 from .models.bert import bert_state_dict
+from .parallel.layers import parallelize
+from .parallel.ranks import RankGroup, RankProcesses, launch_ranks
+from .parallel.sharding import Shard, check_shardable, resize_modules, shard_of, shard_state
 from .pooling import sentence_transformers_pooling
 from .quant import QUANT_MODES, Affine4Bit, Int8Embedding, Int8Linear, quantize_int8, quantized_linear
 from .registry import KNOWN_MODELS
@@ -23,6 +27,7 @@ from .runner import Runner
 from .tokenizer import Tokenizer
 from .weights import Progress, no_progress
 from .weights.gguf import load_gguf
+from .weights.gguf_format import read_gguf_metadata
 from .weights.safetensors import load_safetensors_dir
 
 log = logging.getLogger("emberserve.engine")
@@ -114,7 +119,7 @@ def _quantize_modules(model: DecoderModel, state: dict[str, Any], quant: str, dt
 
 def _materialise(cfg: ModelConfig, state: dict[str, Any], device: torch.device, dtype: torch.dtype,
                  quant: str, requantize_floats: bool, source: str, progress: Progress,
-                 dense_prefill: bool) -> DecoderModel:
+                 dense_prefill: bool, shard: Shard | None = None) -> DecoderModel:
     with torch.device("meta"):
         model = build_model(cfg)
     if cfg.tie_embeddings or "lm_head.weight" not in state:
@@ -125,6 +130,9 @@ def _materialise(cfg: ModelConfig, state: dict[str, Any], device: torch.device, 
     if missing or unexpected:
         raise ModelFormatError(f"{source}: weights do not match the {cfg.family} architecture; "
                                f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    if shard is not None:  # this rank's share of every tensor, in modules of its shapes (engine/parallel/)
+        shard_state(state, cfg, shard)
+        resize_modules(model, cfg, shard)
     if quant != "none":
         _quantize_modules(model, state, quant, dtype, requantize_floats, progress, dense_prefill)
     converted: dict[str, torch.Tensor] = {}
@@ -184,13 +192,13 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def kv_cache_tokens(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, context: int,
-                    memory: int | None) -> int:
+                    memory: int | None, kv_heads: int | None = None) -> int:
     """How many tokens the KV pool holds: `memory` bytes if given.
 
     Default: on CPU one full context's worth (at most 512 MiB), on an accelerator 90% of its free memory (at most
     256 contexts): the pool is committed up front, and a small model on a CPU should not need gigabytes.
     """
-    per_token = kv_bytes_per_token(cfg, dtype)
+    per_token = kv_bytes_per_token(cfg, dtype, kv_heads)
     if memory is None:
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
@@ -202,11 +210,26 @@ def kv_cache_tokens(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, 
     return memory // per_token
 
 
+@dataclass(frozen=True)
+class LoadOptions:
+    """What `load_runner` was asked to load, as plain data: every rank of a tensor-parallel runner gets a copy."""
+
+    source: str
+    device: str = "cpu"
+    dtype: str | torch.dtype | None = None
+    max_context: int | None = None
+    kv_cache_memory: int | None = None
+    prefix_caching: bool = True
+    quant: str | None = None
+    dense_prefill: bool = True
+    deterministic: bool = False
+
+
 def load_runner(source: str | os.PathLike[str], device: str | torch.device = "cpu",
                 dtype: str | torch.dtype | None = None, max_context: int | None = None,
                 kv_cache_memory: int | None = None, prefix_caching: bool = True,
                 quant: str | None = None, progress: Progress = no_progress, dense_prefill: bool = True,
-                deterministic: bool = False) -> Runner:
+                deterministic: bool = False, tensor_parallel_size: int = 1) -> Runner:
     """A ready Runner for a known model name, a .gguf file, or a safetensors directory.
 
     `kv_cache_memory` (bytes) sizes the paged KV pool; `prefix_caching` lets prompts reuse cached prefixes;
@@ -215,16 +238,54 @@ def load_runner(source: str | os.PathLike[str], device: str | torch.device = "cp
     of quantized layer weights for calls of many rows (prefill), twice as fast there for 2 bytes per weight more;
     `deterministic` sends every token through the same kernels (CPU only), so that logits do not depend on
     chunking, batching or the prefix cache (no dense copy is kept then: it would never be used).
+    `tensor_parallel_size` N > 1 splits every layer over N processes (engine/parallel/): this one is rank 0 and
+    spawns the others (one GPU each from `device` on; on CPU they share the cores); the KV memory is per rank.
+    The runner's `close()` stops them. One tensor-parallel runner per process at a time.
     A BERT directory gives an encoder's Runner (embeddings only, no KV cache; pooling from its
     sentence-transformers config); the cache and quant arguments are for decoders.
     """
-    device = torch.device(device)
-    name, defaults, template = str(source), {}, None
-    known = KNOWN_MODELS.get(str(source))
-    if known is not None:
-        path, defaults, template = known.path(), dict(known.generation_defaults), known.chat_template
-    else:
-        path = Path(source)
+    options = LoadOptions(str(source), str(device), dtype, max_context, kv_cache_memory, prefix_caching, quant,
+                          dense_prefill, deterministic)
+    if tensor_parallel_size == 1:
+        return build_runner(options, progress)
+    cfg = read_config(options.source)
+    if cfg.is_encoder:
+        raise UnsupportedModelError(f"tensor parallelism is for decoders; {cfg.family} encoders run in one process")
+    check_shardable(cfg, tensor_parallel_size)
+    return launch_ranks(options, tensor_parallel_size, progress)
+
+
+def _resolve_source(source: str) -> tuple[Path, Any]:
+    """(the model's path, its registry entry or None)."""
+    known = KNOWN_MODELS.get(source)
+    path = known.path() if known is not None else Path(source)
+    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
+        return path, known
+    if path.exists():
+        raise ModelFormatError(f"{path}: not a model: expected a .gguf file or a safetensors directory")
+    raise ModelFormatError(f"model not found: {source!r} is neither a known model name "
+                           f"({', '.join(KNOWN_MODELS)}) nor an existing path")
+
+
+def read_config(source: str) -> ModelConfig | EncoderConfig:
+    """The model's config alone (config.json or GGUF metadata), without reading its weights."""
+    path, _ = _resolve_source(source)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelFormatError(f"{path}: not a model directory (no config.json)")
+        return config_from_hf(_read_json(path / "config.json"))
+    return config_from_gguf(read_gguf_metadata(path), has_output_tensor=True)  # tying does not matter here
+
+
+def build_runner(options: LoadOptions, progress: Progress = no_progress, rank: RankGroup | None = None,
+                 leader: RankProcesses | None = None) -> Runner:
+    """The Runner of `options` in this process: the whole model, or with `rank` that rank's share of it (rank 0
+    passes `leader`, its handle on the other ranks)."""
+    device = torch.device(options.device) if rank is None else rank.device
+    dtype, quant, max_context = options.dtype, options.quant, options.max_context
+    path, known = _resolve_source(options.source)
+    name = options.source if known else path.name
+    defaults = dict(known.generation_defaults) if known else {}
     freq_factors = None
     if path.is_dir():
         quant, dtype = resolve_quant(quant, dtype, device, quantized_source=False)
@@ -235,27 +296,35 @@ def load_runner(source: str | os.PathLike[str], device: str | torch.device = "cp
                 raise ValueError(f"quant {quant!r} is for decoders; a {cfg.family} encoder runs dense weights")
             encoder = _materialise_encoder(cfg, state, device, dtype, str(path))
             _return_freed_memory()
-            return Runner(encoder, tokenizer, name=name if known else path.name, device=device, dtype=dtype,
+            return Runner(encoder, tokenizer, name=name, device=device, dtype=dtype,
                           max_context=max_context, pooling=sentence_transformers_pooling(path) or "mean")
         gen = _read_json(path / "generation_config.json")
         defaults |= {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in gen}
-    elif path.is_file() and path.suffix == ".gguf":
+    else:
         quant, dtype = resolve_quant(quant, dtype, device, quantized_source=True)
         cfg, state, meta, freq_factors = load_gguf(path, keep_4bit=quant == "int4", progress=progress)
         tokenizer = Tokenizer.from_gguf_metadata(meta)
-    elif path.exists():
-        raise ModelFormatError(f"{path}: not a model: expected a .gguf file or a safetensors directory")
-    else:
-        raise ModelFormatError(f"model not found: {source!r} is neither a known model name "
-                               f"({', '.join(KNOWN_MODELS)}) nor an existing path")
-    if template is not None:
-        tokenizer.set_chat_template(template)
+    if known is not None and known.chat_template is not None:
+        tokenizer.set_chat_template(known.chat_template)
+    shard = shard_of(cfg, rank.rank, rank.size) if rank is not None else None
     model = _materialise(cfg, state, device, dtype, quant, requantize_floats=path.is_dir(), source=str(path),
-                        progress=progress, dense_prefill=dense_prefill and not deterministic)
+                        progress=progress, dense_prefill=options.dense_prefill and not options.deterministic,
+                        shard=shard)
     _rebuild_buffers(model, device, freq_factors)
-    context = max_context or cfg.max_position
+    kv_heads = cfg.num_kv_heads if shard is None else shard.num_kv_heads
+    tokens = kv_cache_tokens(cfg, dtype, device, max_context or cfg.max_position, options.kv_cache_memory, kv_heads)
+    if rank is not None:
+        parallelize(model, cfg, shard, rank.name)
+        tokens = _agree_on_pool(tokens, rank)
     _return_freed_memory()
-    return Runner(model, tokenizer, name=name if known else path.name, device=device, dtype=dtype, quant=quant,
-                  max_context=max_context, generation_defaults=defaults, prefix_caching=prefix_caching,
-                  deterministic=deterministic,
-                  kv_cache_tokens=kv_cache_tokens(cfg, dtype, device, context, kv_cache_memory))
+    return Runner(model, tokenizer, name=name, device=device, dtype=dtype, quant=quant,
+                  max_context=max_context, generation_defaults=defaults, prefix_caching=options.prefix_caching,
+                  deterministic=options.deterministic, kv_cache_tokens=tokens, kv_heads=kv_heads,
+                  tensor_parallel=leader)
+
+
+def _agree_on_pool(tokens: int, rank: RankGroup) -> int:
+    """The smallest pool any rank can hold (GPUs differ in free memory): every rank's pool has the same blocks."""
+    count = torch.tensor([tokens], dtype=torch.int64, device=rank.device)
+    torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN, group=rank.group)
+    return int(count.item())

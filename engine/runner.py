@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .batch import StepRow, build_batch
+from .batch import ForwardBatch, StepRow, build_batch
 from .block_manager import BlockManager, KVSequence
 from .cuda_graphs import DecodeGraphs, table_width
 from .config import EncoderConfig, ModelConfig
@@ -20,6 +20,8 @@ from .errors import ContextLengthError, EngineError, RowError
 from .kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
 from .models import BertEncoder, DecoderModel
 from .models.bert import pack_sentences
+from .parallel.messages import MODE_HIDDEN, MODE_LOGITS
+from .parallel.ranks import RankProcesses, TensorParallelFailure
 from .pooling import POOLING_MODES, pool
 from .tokenizer import Tokenizer
 
@@ -50,8 +52,13 @@ class Runner:
                  dtype: torch.dtype, quant: str = "none", max_context: int | None = None,
                  generation_defaults: dict[str, Any] | None = None, kv_cache_tokens: int | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, prefix_caching: bool = True,
-                 deterministic: bool = False, pooling: str = "last") -> None:
+                 deterministic: bool = False, pooling: str = "last", kv_heads: int | None = None,
+                 tensor_parallel: RankProcesses | None = None) -> None:
+        """`kv_heads`: the KV heads this process holds (a tensor-parallel rank's share; default the model's);
+        `tensor_parallel`: on rank 0 of a tensor-parallel runner, its handle on the other ranks, which are sent
+        every step before this process runs it."""
         self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.tensor_parallel = tensor_parallel
         # Every token through the same kernels, whatever shares its step (see batch.ForwardBatch); CPU only.
         if deterministic and device.type != "cpu":
             raise ValueError(f"deterministic steps run on CPU only, not on {device.type}: the GPU matmul kernels "
@@ -85,7 +92,7 @@ class Runner:
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
         # On a GPU one spare block past the manager's: CUDA-graph padding rows write there (engine/cuda_graphs.py).
         spare = 1 if device.type == "cuda" else 0
-        self.cache = PagedKVCache(self.config, num_blocks + spare, block_size, dtype, device)
+        self.cache = PagedKVCache(self.config, num_blocks + spare, block_size, dtype, device, kv_heads)
 
     @property
     def family(self) -> str:
@@ -184,18 +191,41 @@ class Runner:
             raise RowError(errors)
         for row in rows:
             self.blocks.allocate(row.seq, row.end)
-        self.cache.copy_blocks(self.blocks.take_copies())
+        copies = self.blocks.take_copies()
         if self.graphs is not None and self.graphs.serves(rows):
+            self.cache.copy_blocks(copies)
             logits = self.graphs.run(rows)
         else:
             batch = build_batch(rows, self.blocks.block_size, self.config.sliding_window, self.device,
                                 paged=self.paged_attention, deterministic=self.deterministic,
                                 table_width=table_width(self.context_size, self.blocks.block_size))
-            logits = self.model(batch, self.cache)
+            logits = self.forward_batch(batch, copies)
         for row in rows:
             row.seq.num_computed = row.end
             self.blocks.commit(row.seq)
         return logits
+
+    def forward_batch(self, batch: ForwardBatch, copies: list[tuple[int, int]] = (),
+                      hidden_states: bool = False) -> torch.Tensor:
+        """The model's forward pass over `batch` after copying the KV blocks `copies` (source, destination); on
+        rank 0 of a tensor-parallel runner, sent to the other ranks first, which run it alongside."""
+        tp = self.tensor_parallel
+        if tp is None:
+            self.cache.copy_blocks(copies)
+            return self.model(batch, self.cache, hidden_states=hidden_states)
+        tp.send(MODE_HIDDEN if hidden_states else MODE_LOGITS, list(copies), batch)
+        try:
+            self.cache.copy_blocks(copies)
+            return self.model(batch, self.cache, hidden_states=hidden_states)
+        except BaseException as e:
+            # The other ranks are inside this step's collectives, or have died: either way out of step for good.
+            raise TensorParallelFailure(tp.step_failed(e, "a step")) from e
+
+    def close(self) -> None:
+        """Stop a tensor-parallel runner's other ranks (nothing for one process). The caller must be the only
+        thread using the runner."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
 
     # ---- embeddings ----
     def embedding_fits(self, lengths: Sequence[int]) -> bool:
@@ -236,7 +266,7 @@ class Runner:
             rows = [StepRow(seq, 0, len(seq.tokens), logits="all") for seq in kv]
             batch = build_batch(rows, self.blocks.block_size, self.config.sliding_window, self.device,
                                 paged=self.paged_attention, deterministic=self.deterministic)
-            return self.model(batch, self.cache, hidden_states=True)
+            return self.forward_batch(batch, hidden_states=True)
         finally:
             for seq in kv:
                 self.blocks.release(seq)
@@ -246,6 +276,10 @@ class Runner:
         seconds it took. GPU only."""
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {self.device.type}")
+        if self.tensor_parallel is not None:
+            # The layers' collectives can be captured (engine/parallel/layers.py), but the other ranks would have
+            # to replay their own graphs in step: not wired yet.
+            raise ValueError("CUDA graphs do not run tensor-parallel steps yet")
         bs = self.blocks.block_size
         started = time.perf_counter()
         self._warm_up_kernels()

@@ -88,7 +88,8 @@ def _load_runner(settings: Settings, index: int, progress: Progress) -> Runner:
                          quant=settings.quant,
                          max_context=settings.max_context, kv_cache_memory=settings.kv_cache_memory,
                          prefix_caching=settings.prefix_caching, progress=progress,
-                         dense_prefill=settings.dense_prefill, deterministic=settings.deterministic)
+                         dense_prefill=settings.dense_prefill, deterministic=settings.deterministic,
+                         tensor_parallel_size=settings.tensor_parallel_size)
     blocks = runner.blocks
     if blocks is None:
         log.info("worker %d: %s on %s; an encoder: embeddings only, no KV cache", index, runner.name, runner.device)
@@ -98,7 +99,10 @@ def _load_runner(settings: Settings, index: int, progress: Progress) -> Runner:
                  runner.cache.nbytes() / 2**20, str(runner.dtype).removeprefix("torch."),
                  "on" if blocks.prefix_caching else "off")
     if runner.device.type == "cuda" and settings.cuda_graphs and not runner.is_encoder:
-        runner.capture_cuda_graphs(device_default(settings, "max_running"))
+        if runner.tensor_parallel is None:
+            runner.capture_cuda_graphs(device_default(settings, "max_running"))
+        else:
+            log.warning("CUDA graphs are not used with tensor parallelism yet: decode steps run eagerly")
     return runner
 
 
@@ -108,14 +112,22 @@ def start_serving(settings: Settings, runners: list[Runner], on_worker_failure: 
     the HTTP app and the in-process `Generator` (server/generator.py) both serve from. `prepare_grammars`: build
     the grammar engine's vocabulary now, beside serving (else on the first constrained request); `speculators`:
     each worker's speculative decoding (`load_speculator`), none by default."""
-    # CPU workers share the cores: more OpenMP threads than cores make every one of them sleep at its barriers.
-    threads = max(1, torch.get_num_threads() // len(runners)) if settings.device == "cpu" else None
+    # CPU workers (and tensor-parallel ranks) share the cores: more OpenMP threads than cores make every one of
+    # them sleep at its barriers.
+    processes = len(runners) * settings.tensor_parallel_size
+    threads = max(1, torch.get_num_threads() // processes) if settings.device == "cpu" else None
     max_running = device_default(settings, "max_running")
     speculators = speculators or [None] * len(runners)
     workers = [Worker(runner, f"worker-{i}", max_running=max_running, threads=threads, on_failure=on_worker_failure,
                       max_batched_tokens=device_default(settings, "max_batched_tokens", encoder=runner.is_encoder),
                       speculator=speculators[i])
                for i, runner in enumerate(runners)]
+    for i, worker in enumerate(workers):
+        tp = worker.runner.tensor_parallel
+        if tp is not None:
+            log.info("worker %d: tensor parallel over %d ranks (%s)", i, tp.size,
+                     torch.distributed.get_backend(tp.group.group))
+            tp.on_failure(worker.fail)  # a rank that dies takes the worker, and so the server, down
     pool = WorkerPool(workers, settings.max_queued)
     pool.start()
     runner = runners[0]

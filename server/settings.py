@@ -57,6 +57,10 @@ class Settings(BaseSettings):
         None, description="the sampling profile requests start from: fast, balanced, quality, creative, code or "
                           "precise (`emberserve presets` lists their values); a request's own preset or fields win")
     workers: PositiveInt = Field(1, description="runners, each on its own thread (with device cuda: one per GPU)")
+    tensor_parallel_size: PositiveInt = Field(
+        1, description="split every layer of the model over this many processes (tensor parallelism through "
+                       "torch.distributed: nccl with one GPU each from --device on, gloo on cpu); the server's "
+                       "process is rank 0 and spawns the others; decoders only, not with --workers")
     max_queued: int = Field(256, ge=0, description="waiting requests per worker before answering 429; also the "
                                                    "most prompts one completions request may list")
     max_running: PositiveInt | None = Field(
@@ -119,6 +123,13 @@ class Settings(BaseSettings):
         30.0, ge=0, description="seconds a SIGTERM waits for in-flight requests before exiting")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
     log_format: Literal["text", "json"] = Field("text", description="text lines, or one JSON object per line")
+
+    @model_validator(mode="after")
+    def _one_way_to_use_the_devices(self) -> Settings:
+        if self.tensor_parallel_size > 1 and self.workers > 1:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} and workers {self.workers}: "
+                             "a tensor-parallel model is served by one worker; use one or the other")
+        return self
 
     @model_validator(mode="after")
     def _budget_holds_the_batch(self) -> Settings:

@@ -59,6 +59,19 @@ class Worker:
     def submit(self, gen: Generation | EmbeddingJob) -> None:
         self._inbox.put(gen)
 
+    def fail(self, reason: str) -> None:
+        """Stop serving for good from outside the worker's thread (its runner broke: a tensor-parallel rank died):
+        new submissions are refused, and `on_failure` is told. The thread's own step fails as the runner does."""
+        if self.failure is None:
+            self.failure = reason
+            log.critical("%s stopped serving: %s", self.name, reason)
+            if self.on_failure is not None:
+                self.on_failure(self)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     # Read from the event loop while the worker thread changes them: list() copies are atomic under the GIL,
     # and a slightly stale count is fine for routing and /health.
     @property
@@ -152,6 +165,12 @@ class WorkerPool:
     def stop(self) -> None:
         for w in self.workers:
             w.stop()
+        for w in self.workers:  # a tensor-parallel runner's ranks: stopped from here once its thread has ended
+            if not w.alive:
+                w.runner.close()
+            elif w.runner.tensor_parallel is not None:
+                log.warning("%s did not stop in time: its tensor-parallel ranks are terminated", w.name)
+                w.runner.tensor_parallel.close(graceful=False)
 
     @property
     def failure(self) -> str | None:

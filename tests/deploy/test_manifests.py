@@ -28,7 +28,7 @@ from server.settings import DEFAULT_PORT, ENV_PREFIX, Settings
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "k8s"
-KUSTOMIZATIONS = ("base", "overlays/cpu", "overlays/gpu")
+KUSTOMIZATIONS = ("base", "overlays/cpu", "overlays/gpu", "overlays/gpu-tp2")
 # The oldest Kubernetes the manifests claim (the native preStop `sleep` is on by default from 1.30) and the newest
 # whose schemas kubernetes-validate ships. Both are validated.
 K8S_VERSIONS = ("1.30.0", "1.37.0")
@@ -279,6 +279,30 @@ def test_gpu_overlay() -> None:
     assert rule["name"]["as"] == metric["pods"]["metric"]["name"]
     assert re.match(rule["name"]["matches"], f"{METRIC_PREFIX}num_requests_waiting")
     assert rule["seriesQuery"].startswith(f"{METRIC_PREFIX}num_requests_waiting{{")
+
+
+def test_gpu_tp2_overlay() -> None:
+    """The tensor-parallel variant: the GPU overlay with 2 GPUs per pod and the model split over them."""
+    docs, gpu_docs = render("overlays/gpu-tp2"), render("overlays/gpu")
+    c = container(docs)
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    assert c["image"] == container(gpu_docs)["image"]
+    assert str(c["resources"]["limits"]["nvidia.com/gpu"]) == "2"
+    assert pod["nodeSelector"] == one(gpu_docs, "Deployment")["spec"]["template"]["spec"]["nodeSelector"]
+    env = settings_env(docs)
+    assert env["EMBERSERVE_DEVICE"] == "cuda"
+    assert env["EMBERSERVE_TENSOR_PARALLEL_SIZE"] == "2"
+    settings = Settings.model_validate({k.removeprefix(ENV_PREFIX).lower(): v for k, v in env.items()
+                                        if v is not None})
+    assert settings.tensor_parallel_size == 2 and settings.workers == 1
+    assert {"name": "NCCL_NVLS_ENABLE", "value": "0"} in c["env"]
+    # NCCL's shared-memory transport gets a /dev/shm larger than a container's default.
+    [shm] = [m for m in c["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[shm["name"]]["emptyDir"]["medium"] == "Memory"
+    # Everything else of the GPU overlay holds (the API key, the threads, /tmp).
+    assert {e["name"] for e in container(gpu_docs)["env"]} <= {e["name"] for e in c["env"]}
+    assert any(m["mountPath"] == "/tmp" for m in c["volumeMounts"])
 
 
 def test_base_is_the_cpu_image() -> None:

@@ -51,6 +51,15 @@ def test_bad_values_are_refused(monkeypatch: pytest.MonkeyPatch, name: str, valu
         Settings()
 
 
+def test_tensor_parallelism_is_one_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EMBERSERVE_TENSOR_PARALLEL_SIZE", "2")
+    assert Settings().tensor_parallel_size == 2
+    with pytest.raises(ValidationError, match="tensor_parallel_size 2 and workers 2"):
+        Settings(workers=2)
+    with pytest.raises(ValidationError):
+        Settings(tensor_parallel_size=0)
+
+
 def test_the_cli_names_the_bad_setting_and_exits_2(monkeypatch: pytest.MonkeyPatch,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("EMBERSERVE_MAX_QUEUED", "-1")

@@ -1,0 +1,1 @@
+"""Tensor parallelism: a decoder split over N processes through torch.distributed (engine/parallel/ranks.py)."""

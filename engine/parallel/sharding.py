@@ -1,0 +1,150 @@
+"""`Shard`: which part of every weight a tensor-parallel rank holds (Megatron-style), and the load-time sharding.
+
+Column-parallel (output rows split): the fused q/k/v projection (each of q, k and v split by heads) and the fused
+gate/up projection (each of gate and up split); row-parallel (input columns split, partial sums all-reduced): o and
+down; vocabulary-parallel: the embedding and the LM head (rows split, padded to a multiple of the world size).
+KV heads are split when they divide by the world size; when the world size is a multiple of them, each KV head is
+replicated on the ranks whose query heads read it (as vLLM does); anything else is refused. Norms are replicated.
+
+Sharding happens on the checkpoint's tensors before any quantization (engine/loader.py), so each rank quantizes its
+own share; the modules get their local shapes here, and their collectives from engine/parallel/layers.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..errors import UnsupportedModelError
+from ..layers import Linear
+from ..quant import GROUP_SIZE, Affine4Bit
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rank `rank` of `size`, for a model of `cfg`'s shape: the index ranges of its heads, FFN and vocabulary."""
+
+    rank: int
+    size: int
+    num_heads: int        # query heads of this rank
+    num_kv_heads: int     # KV heads this rank holds (its pool's heads)
+    first_kv_head: int
+    intermediate: int     # FFN width of this rank
+    vocab_rows: int       # embedding / LM-head rows per rank (the vocabulary padded to a multiple of `size`)
+
+    @property
+    def vocab_start(self) -> int:
+        return self.rank * self.vocab_rows
+
+
+def check_shardable(cfg: ModelConfig, size: int) -> None:
+    """Raise UnsupportedModelError (saying why) unless `cfg` splits over `size` ranks."""
+    if size < 1:
+        raise ValueError(f"tensor parallel size must be at least 1, got {size}")
+    problems = []
+    if cfg.num_heads % size:
+        problems.append(f"{cfg.num_heads} attention heads")
+    kv = cfg.num_kv_heads
+    if kv % size and size % kv:
+        problems.append(f"{kv} KV heads (neither a multiple nor a divisor of {size})")
+    if cfg.intermediate_size % size:
+        problems.append(f"an FFN width of {cfg.intermediate_size}")
+    if problems:
+        raise UnsupportedModelError(
+            f"a {cfg.family} model with {', '.join(problems)} does not split over {size} tensor-parallel ranks; "
+            "use a tensor parallel size that divides them")
+
+
+def shard_of(cfg: ModelConfig, rank: int, size: int) -> Shard:
+    """Rank `rank`'s share of `cfg` (checked with `check_shardable`)."""
+    check_shardable(cfg, size)
+    kv = cfg.num_kv_heads
+    if kv >= size:  # split
+        local_kv, first_kv = kv // size, rank * (kv // size)
+    else:           # replicated: rank r's query heads all read KV head r * kv // size
+        local_kv, first_kv = 1, rank * kv // size
+    return Shard(rank, size, cfg.num_heads // size, local_kv, first_kv, cfg.intermediate_size // size,
+                 -(-cfg.vocab_size // size))
+
+
+Weight = Any  # a float tensor or an Affine4Bit (a GGUF file's 4-bit blocks, kept packed)
+
+
+def _rows(w: Weight, start: int, stop: int) -> Weight:
+    if isinstance(w, Affine4Bit):
+        return w.map_rows(lambda t: t[start:stop])
+    return w[start:stop]
+
+
+def _columns(w: Weight, start: int, stop: int) -> Weight:
+    if isinstance(w, Affine4Bit):
+        if start % GROUP_SIZE or stop % GROUP_SIZE:  # the shard cuts a 4-bit group: requantized from floats
+            return w.dequantize()[:, start:stop].contiguous()
+        g0, g1 = start // GROUP_SIZE, stop // GROUP_SIZE
+        return Affine4Bit(w.codes[:, start:stop].contiguous(), w.scale[:, g0:g1].contiguous(),
+                          w.offset[:, g0:g1].contiguous())
+    return w[:, start:stop].contiguous()
+
+
+def _cat_rows(parts: list[Weight]) -> Weight:
+    if all(isinstance(p, Affine4Bit) for p in parts):
+        return Affine4Bit.cat(parts)
+    return torch.cat([p.dequantize() if isinstance(p, Affine4Bit) else p for p in parts])
+
+
+def _pad_rows(w: Weight, rows: int) -> Weight:
+    """`w` with zero rows appended up to `rows` (the last vocabulary shard)."""
+    missing = rows - w.shape[0]
+    if missing <= 0:  # a copy: a view would keep the whole checkpoint's table alive
+        return w.map_rows(torch.clone) if isinstance(w, Affine4Bit) else w.clone()
+    if isinstance(w, Affine4Bit):
+        w = w.dequantize()
+    return torch.cat((w, torch.zeros((missing, *w.shape[1:]), dtype=w.dtype)))
+
+
+def shard_state(state: dict[str, Weight], cfg: ModelConfig, shard: Shard) -> None:
+    """Replace the (fused, see loader._fuse_projections) full tensors of `state` by this rank's shares, in place.
+    A tied LM head stays the same object as the embedding."""
+    d, h, kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    lh, lkv, li = shard.num_heads, shard.num_kv_heads, shard.intermediate
+    q0, k0 = shard.rank * lh * d, shard.first_kv_head * d
+    for layer in range(cfg.num_layers):
+        p = f"layers.{layer}."
+        for kind in ("weight", "bias"):
+            name = f"{p}self_attn.qkv_proj.{kind}"
+            if name in state:  # [q (h d) | k (kv d) | v (kv d)] → this rank's q heads, then its k and v heads
+                w = state[name]
+                state[name] = _cat_rows([_rows(w, q0, q0 + lh * d),
+                                         _rows(w, h * d + k0, h * d + k0 + lkv * d),
+                                         _rows(w, (h + kv) * d + k0, (h + kv) * d + k0 + lkv * d)])
+        w, i0 = state[f"{p}mlp.gate_up_proj.weight"], shard.rank * li
+        state[f"{p}mlp.gate_up_proj.weight"] = _cat_rows([_rows(w, i0, i0 + li),
+                                                          _rows(w, cfg.intermediate_size + i0,
+                                                                cfg.intermediate_size + i0 + li)])
+        state[f"{p}self_attn.o_proj.weight"] = _columns(state[f"{p}self_attn.o_proj.weight"], q0, q0 + lh * d)
+        state[f"{p}mlp.down_proj.weight"] = _columns(state[f"{p}mlp.down_proj.weight"], i0, i0 + li)
+    tied = state["lm_head.weight"] is state["embed_tokens.weight"]
+    v0, v1 = shard.vocab_start, shard.vocab_start + shard.vocab_rows
+    for name in ("embed_tokens.weight",) if tied else ("embed_tokens.weight", "lm_head.weight"):
+        state[name] = _pad_rows(_rows(state[name], v0, min(v1, cfg.vocab_size)), shard.vocab_rows)
+    if tied:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+
+
+def resize_modules(model: nn.Module, cfg: ModelConfig, shard: Shard) -> None:
+    """Give the (meta) modules of `model` this rank's shapes and head counts, before its weights are loaded."""
+    d, hidden = cfg.head_dim, cfg.hidden_size
+    lh, lkv, li = shard.num_heads, shard.num_kv_heads, shard.intermediate
+    with torch.device("meta"):
+        for block in model.layers:
+            attn, mlp = block.self_attn, block.mlp
+            attn.qkv_proj = Linear(hidden, (lh + 2 * lkv) * d, bias=cfg.attention_bias)
+            attn.o_proj = Linear(lh * d, hidden, bias=False)
+            attn.num_heads, attn.num_kv_heads = lh, lkv
+            mlp.gate_up_proj = Linear(hidden, 2 * li, bias=False)
+            mlp.down_proj = Linear(li, hidden, bias=False)
+        model.embed_tokens = nn.Embedding(shard.vocab_rows, hidden)
+        model.lm_head = Linear(hidden, shard.vocab_rows, bias=False)
