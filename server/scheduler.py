@@ -67,11 +67,21 @@ class Unit:
 
 @dataclass
 class _EarlyMasks:
-    """Bitmasks being filled while the forward pass runs: row of each unit (by id), the bitmask, the fill."""
+    """Bitmasks being filled while the forward pass runs: the units, the bitmask (row i: units[i]), the fill."""
 
-    rows: dict[int, int]
+    units: list[Unit]
     bitmask: torch.Tensor
     future: Future
+    index: dict[int, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.index = {id(u): i for i, u in enumerate(self.units)}
+
+    def row(self, unit: Unit) -> int | None:
+        """The unit's row, by identity: a unit that left during the pass (failed, cancelled) may be freed and its
+        id() reused by a choice forked after it, which must not take its mask."""
+        i = self.index.get(id(unit))
+        return i if i is not None and self.units[i] is unit else None
 
 
 @dataclass(eq=False)
@@ -464,7 +474,7 @@ class Scheduler:
             return None
         bitmask = allocate_bitmask(len(due), self.runner.vocab_size)
         future = self._mask_pool.submit(fill_bitmasks, [u.matcher for u in due], bitmask)
-        return _EarlyMasks({id(u): i for i, u in enumerate(due)}, bitmask, future)
+        return _EarlyMasks(due, bitmask, future)
 
     def _grammar_masks(self, units: list[Unit],
                        early: _EarlyMasks | None = None) -> tuple[torch.Tensor, list[int]] | None:
@@ -478,7 +488,7 @@ class Scheduler:
         bitmask = allocate_bitmask(len(rows), self.runner.vocab_size)
         late: list[tuple[int, GrammarMatcher]] = []
         for j, i in enumerate(rows):
-            k = None if early is None else early.rows.get(id(units[i]))
+            k = None if early is None else early.row(units[i])
             if k is None:
                 late.append((j, units[i].matcher))
             else:
