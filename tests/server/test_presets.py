@@ -3,20 +3,19 @@ request's preset, the server's, the model's defaults), `--preset` / `EMBERSERVE_
 README table, and a real app with `--preset` on the session's SmolLM2 (chat, responses, an unknown name)."""
 from __future__ import annotations
 
-import asyncio
 import itertools
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
+import app_harness
 import pytest
 from greedy_reference import Reference
 from pydantic import ValidationError
 
 import server.app as server_app
 from engine import KNOWN_MODELS, Runner
-from server.app import create_app
 from server.cli import main
 from server.metrics import ServerMetrics
 from server.presets import PRESETS, SAMPLING_FIELDS, get_preset, presets_table
@@ -115,19 +114,7 @@ def test_emberserve_presets_lists_them_and_the_readme_has_the_table(capsys: pyte
 
 
 def run_app(settings: Settings, scenario: Callable[[httpx.AsyncClient], Awaitable[None]]) -> None:
-    async def main_() -> None:
-        app = create_app(settings)
-        async with app.router.lifespan_context(app):
-            for _ in range(500):
-                if app.state.model is not None:
-                    break
-                await asyncio.sleep(0.01)
-            assert app.state.model is not None, app.state.load_error
-            transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as http:
-                await scenario(http)
-
-    asyncio.run(main_())
+    app_harness.run_app(settings, lambda http, app: scenario(http))
 
 
 def test_a_server_started_with_a_preset_serves_its_values(smollm: Runner, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,16 +3,15 @@ a decoder started without --embeddings refuses, and an embedding step that crash
 envelope (no internals) while the worker goes on serving."""
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
+import app_harness
 import pytest
 
 import server.app as server_app
 from engine import Runner
-from server.app import create_app
 from server.settings import Settings
 
 MODEL = "smollm2-135m"
@@ -20,19 +19,7 @@ SECRET = "boom-secret-internal-detail"
 
 
 def run_app(settings: Settings, scenario: Callable[[httpx.AsyncClient], Awaitable[None]]) -> None:
-    async def main() -> None:
-        app = create_app(settings)
-        async with app.router.lifespan_context(app):
-            for _ in range(500):
-                if app.state.model is not None:
-                    break
-                await asyncio.sleep(0.01)
-            assert app.state.model is not None, app.state.load_error
-            transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as http:
-                await scenario(http)
-
-    asyncio.run(main())
+    app_harness.run_app(settings, lambda http, app: scenario(http))
 
 
 @pytest.fixture

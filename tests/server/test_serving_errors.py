@@ -14,13 +14,13 @@ from typing import Any
 
 import anthropic
 import httpx
+import app_harness
 import httpx2
 import openai
 import pytest
 
 import server.app as server_app
 from engine import ContextLengthError, Runner
-from server.app import create_app
 from server.settings import Settings
 
 MODEL = "smollm2-135m"
@@ -60,20 +60,7 @@ def failing(smollm: Runner, monkeypatch: pytest.MonkeyPatch) -> Callable[[Except
 
 def run_app(scenario: Callable[[httpx.AsyncClient, Any], Awaitable[None]]) -> None:
     """Run the app's lifespan (which 'loads' the patched runner and starts its worker), then `scenario`."""
-
-    async def main() -> None:
-        app = create_app(Settings(model=MODEL))
-        async with app.router.lifespan_context(app):
-            for _ in range(500):
-                if app.state.model is not None:
-                    break
-                await asyncio.sleep(0.01)
-            assert app.state.model is not None, app.state.load_error
-            transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as http:
-                await scenario(http, app)
-
-    asyncio.run(main())
+    app_harness.run_app(Settings(model=MODEL), scenario)
 
 
 def assert_no_internals(text: str) -> None:
