@@ -88,6 +88,19 @@ class ChatMappedServing(OpenAIServing):
     # The chat request's fields as this endpoint calls them, for the errors the chat path raises.
     field_names: dict[str, str] = {}
 
+    async def coalesced_text(self, gen: Generation, outcome: ChatOutcome) -> AsyncIterator[str]:
+        """The generation's new text for a stream, `outcome` taking every event: everything already waiting is read
+        before a piece is given, so a reader that falls behind gets one piece for several tokens."""
+        pending = ""
+        async with aclosing(self.events([gen])) as events:
+            async for _, event in events:
+                pending += outcome.add(event)
+                if pending and gen.channel.empty():
+                    yield pending
+                    pending = ""
+        if pending:
+            yield pending
+
     @contextmanager
     def own_field_names(self) -> Iterator[None]:
         try:

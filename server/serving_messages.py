@@ -183,18 +183,13 @@ class MessagesServing(ChatMappedServing):
                                 usage=AnthropicUsage(input_tokens=len(gen.prompt_ids), output_tokens=0))
         yield named_event("message_start", {"type": "message_start", "message": start.model_dump()})
         blocks = OutputBlocks(tools, tool_use_id)
-        outcome, pending = ChatOutcome(), ""
-        # Everything already waiting is read before anything is sent: a reader that falls behind gets one delta
-        # for several tokens.
-        async with aclosing(self.events([gen])) as events:
-            async for _, event in events:
-                pending += outcome.add(event)
-                if pending and gen.channel.empty():
-                    for change in blocks.push(pending):
-                        for e in self._block_events(change):
-                            yield e
-                    pending = ""
-        for change in blocks.push(pending) + blocks.finish():
+        outcome = ChatOutcome()
+        async with aclosing(self.coalesced_text(gen, outcome)) as texts:
+            async for text in texts:
+                for change in blocks.push(text):
+                    for e in self._block_events(change):
+                        yield e
+        for change in blocks.push("") + blocks.finish():
             for e in self._block_events(change):
                 yield e
         reason, sequence = stop_reason(outcome, blocks)

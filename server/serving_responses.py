@@ -175,19 +175,14 @@ class ResponsesServing(ChatMappedServing):
         yield event("response.created", response=started)
         yield event("response.in_progress", response=started)
         blocks = OutputBlocks(turn.tools)
-        outcome, pending = ChatOutcome(), ""
-        # Everything already waiting is read before anything is sent: a reader that falls behind gets one delta
-        # for several tokens.
-        async with aclosing(self.events([gen])) as events:
-            async for _, item in events:
-                pending += outcome.add(item)
-                if pending and gen.channel.empty():
-                    for change in blocks.push(pending):
-                        for e in self._item_events(turn, change, "completed", event):
-                            yield e
-                    pending = ""
+        outcome = ChatOutcome()
+        async with aclosing(self.coalesced_text(gen, outcome)) as texts:
+            async for text in texts:
+                for change in blocks.push(text):
+                    for e in self._item_events(turn, change, "completed", event):
+                        yield e
         status = _status(outcome)
-        for change in blocks.push(pending) + blocks.finish():
+        for change in blocks.push("") + blocks.finish():
             last = change.index == len(blocks.blocks) - 1
             for e in self._item_events(turn, change, status if last else "completed", event):
                 yield e
