@@ -40,8 +40,15 @@ RUN if ! command -v "${PYTHON}" >/dev/null 2>&1; then \
 RUN groupadd --system --gid 10001 emberserve \
     && useradd --system --uid 10001 --gid emberserve --create-home --home-dir /home/emberserve emberserve
 
+# --- toolchain: a C++ compiler for the fused CPU kernels (engine/cpu_kernels.py), in the build stages only --------
+FROM base AS toolchain
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+
 # --- builder: a virtual environment with torch and emberserve (not editable), copied whole into the runtime -------
-FROM base AS builder
+FROM toolchain AS builder
 ARG PYTHON
 # The CPU wheel by default: PyPI's torch is the multi-GB CUDA build. The pin is pyproject.toml's.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
@@ -53,6 +60,10 @@ COPY pyproject.toml README.md ./
 COPY engine ./engine
 COPY server ./server
 RUN /opt/venv/bin/pip install --no-cache-dir .
+# The kernels compiled here, into the venv the runtime copies: for this build machine's x86-64 level (AVX-512 or
+# AVX2); a machine of another level runs the torch ops instead (the runtime has no compiler), with a warning.
+ENV EMBERSERVE_KERNEL_CACHE=/opt/venv/share/emberserve-kernels
+RUN /opt/venv/bin/python -c "from engine import cpu_kernels; print(cpu_kernels.build())"
 
 # --- runtime: no model; mount one and set EMBERSERVE_MODEL (docker build --target runtime) ------------------------
 FROM base AS runtime
@@ -64,6 +75,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     EMBERSERVE_HOST=0.0.0.0 \
     EMBERSERVE_PORT=8000 \
     EMBERSERVE_DEVICE=${DEVICE} \
+    EMBERSERVE_KERNEL_CACHE=/opt/venv/share/emberserve-kernels \
     EMBERSERVE_MODEL=/models/model.gguf
 USER 10001:10001
 WORKDIR /home/emberserve

@@ -52,7 +52,7 @@ class ForwardBatch(NamedTuple):
     key_blocks: Optional[Tensor]       # [Bd, nb] blocks of each decode row's keys (gather; padded: first block)
     full_mask: Optional[Tensor]        # [Bd, 1, 1, nb * block] bool; None when every gathered slot is a key
     sliding_mask: Optional[Tensor]     # the same within the sliding window (full_mask when no row exceeds it)
-    block_tables: Optional[Tensor]     # [Bd, W] int32: decode rows' blocks for the paged kernel (GPU)
+    block_tables: Optional[Tensor]     # [Bd, W] int32: decode rows' blocks for the paged kernel (GPU; CPU compiled)
     seq_lens: Optional[Tensor]         # [Bd] int32: decode rows' key counts for the paged kernel (0: padding)
     prefill_begins: List[int]          # each prefill row attended on its own: its tokens are [begin, end)
     prefill_ends: List[int]
@@ -91,10 +91,12 @@ def _tables(tables: list[list[int]], device: torch.device, width: int | None = N
 
 
 def build_batch(rows: list[StepRow], block_size: int, window: int | None, device: torch.device, *,
-                paged: bool = False, table_width: int | None = None, deterministic: bool = False) -> ForwardBatch:
+                paged: bool = False, paged_decode: bool = False, table_width: int | None = None,
+                deterministic: bool = False) -> ForwardBatch:
     """Lay out `rows` as one flat forward pass; `window` is the sliding-window size (None: no sliding layers);
     `paged`: attention over cached blocks through the paged kernels (block tables) rather than gathers, the tables
-    `table_width` wide (the width CUDA-graph steps use: then every step launches the kernels compiled for those)."""
+    `table_width` wide (the width CUDA-graph steps use: then every step launches the kernels compiled for those);
+    `paged_decode`: only the decode rows through block tables (CPU: the compiled kernel, prefill chunks gather)."""
     decode_rows = [row for row in rows if row.end - row.start == 1]
     short_rows = [row for row in rows if 1 < row.end - row.start < DENSE_MIN_ROWS]
     prefill_rows = short_rows + [row for row in rows if row.end - row.start >= DENSE_MIN_ROWS]
@@ -122,7 +124,7 @@ def build_batch(rows: list[StepRow], block_size: int, window: int | None, device
     packed = len(ids) if deterministic else len(decode_rows) + sum(row.end - row.start for row in short_rows)
     span_first = span_length = 0
     key_blocks = full_mask = sliding_mask = block_tables = seq_lens = None
-    if paged and decode_rows:
+    if (paged or paged_decode) and decode_rows:
         block_tables = _tables([blocks(row) for row in decode_rows], device, table_width)
         seq_lens = torch.tensor([row.end for row in decode_rows], dtype=torch.int32, device=device)
     elif len(decode_rows) == 1 and _consecutive(blocks(decode_rows[0])):

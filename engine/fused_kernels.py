@@ -12,8 +12,10 @@ small kernels per layer. These calls merge them:
 * `gated_activation`: chunk + silu/gelu + mul of the [gate | up] projection.
 
 Each runs the Triton kernel of `engine.fused_kernels_triton` on CUDA tensors (and on CPU ones under
-TRITON_INTERPRET=1, for the tests), and otherwise `engine.fused_kernels_torch`: today's ops exactly, which also
-serves TorchScript (the CPU decoder stack is scripted: `torch.jit.is_scripting()` compiles the kernel branch out).
+TRITON_INTERPRET=1, for the tests), the compiled CPU kernel of engine/csrc/cpu_kernels.cpp on other CPU tensors
+(engine.cpu_kernels; TorchScript calls it too, so the scripted CPU stack gets it), and otherwise
+`engine.fused_kernels_torch`: the same maths in plain torch ops (`torch.jit.is_scripting()` compiles the Triton
+branch out of the scripted stack).
 The kernels compute in float32 and round where the torch ops round, so results differ from the torch path only by
 reduction order or libm (an ulp of the dtype here and there); residual sums, cached values and, in 16-bit dtypes,
 rope without q/k norms match bit for bit.
@@ -29,7 +31,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import fused_kernels_torch
+from . import cpu_kernels, fused_kernels_torch
 
 try:
     from . import fused_kernels_triton as _kernels
@@ -40,6 +42,17 @@ except ModuleNotFoundError as e:  # no triton in this environment: the torch pat
 
 MAX_NORM_HIDDEN = 16384  # a norm row is held whole by one program; wider rows take the torch path
 ACTIVATION_BLOCK = 1024
+
+
+# On CPU the compiled kernels of engine/csrc/cpu_kernels.cpp; without them the torch ops serve. TorchScript takes
+# no global values, so the scripted stack asks a function, which it inlines to a constant.
+CPU_KERNELS = cpu_kernels.available()
+if CPU_KERNELS:
+    def cpu_kernels_on() -> bool:
+        return True
+else:
+    def cpu_kernels_on() -> bool:
+        return False
 
 
 def triton_available() -> bool:
@@ -101,12 +114,20 @@ def _launch_norm(x: Tensor, residual: Optional[Tensor], branch_weight: Optional[
     return normed, summed
 
 
+def _cpu_weight(weight: Tensor, doubled: Optional[Tensor]) -> Tensor:
+    """A norm's weight for the CPU kernels: the float32 table RMSNorm keeps ([weight, 0]: its first half) if there
+    is one, else the weight itself."""
+    return doubled if doubled is not None else weight
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float, doubled: Optional[Tensor] = None) -> Tensor:
     """RMS norm of x [..., hidden] times `weight` [hidden], float32 inside, in x's dtype; `doubled`: the
     RMSNorm's [weight, 0] float32 table, for the bfloat16 CPU path (fused_kernels_torch.rms_norm)."""
     if not torch.jit.is_scripting():
         if _runs_triton(x) and x.shape[-1] <= MAX_NORM_HIDDEN:
             return _launch_norm(x, None, None, weight, eps)[0]
+    if cpu_kernels_on() and x.is_cpu:
+        return torch.ops.emberserve.add_rms_norm(x, None, _cpu_weight(weight, doubled), eps)[0]
     return fused_kernels_torch.rms_norm(x, weight, eps, doubled)
 
 
@@ -117,6 +138,8 @@ def add_rms_norm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: flo
     if not torch.jit.is_scripting():
         if _runs_triton(x) and x.shape[-1] <= MAX_NORM_HIDDEN:
             return _launch_norm(x, residual, None, weight, eps)
+    if cpu_kernels_on() and x.is_cpu:
+        return torch.ops.emberserve.add_rms_norm(x, residual, _cpu_weight(weight, doubled), eps)
     return fused_kernels_torch.add_rms_norm(x, residual, weight, eps, doubled)
 
 
@@ -128,6 +151,9 @@ def norm_add_rms_norm(branch: Tensor, residual: Tensor, branch_weight: Tensor, w
     if not torch.jit.is_scripting():
         if _runs_triton(branch) and branch.shape[-1] <= MAX_NORM_HIDDEN:
             return _launch_norm(branch, residual, branch_weight, weight, eps)
+    if cpu_kernels_on() and branch.is_cpu:
+        return torch.ops.emberserve.norm_add_rms_norm(branch, residual, _cpu_weight(branch_weight, branch_doubled),
+                                                      _cpu_weight(weight, doubled), eps)
     return fused_kernels_torch.norm_add_rms_norm(branch, residual, branch_weight, weight, eps, branch_doubled,
                                                  doubled)
 
@@ -197,6 +223,12 @@ def rope_and_write_kv(qk: Tensor, v: Tensor, cos: Tensor, sin: Tensor, keys: Ten
     if not torch.jit.is_scripting():
         if _runs_triton(qk):
             return _launch_rope(qk, v, cos, sin, keys, values, slots, q_norm_weight, k_norm_weight, eps, k_out)
+    if cpu_kernels_on() and qk.is_cpu:
+        qw: Optional[Tensor] = None
+        kw: Optional[Tensor] = None
+        if q_norm_weight is not None and k_norm_weight is not None:
+            qw, kw = _cpu_weight(q_norm_weight, q_norm_doubled), _cpu_weight(k_norm_weight, k_norm_doubled)
+        return torch.ops.emberserve.rope_write_kv(qk, v, cos, sin, keys, values, slots, qw, kw, eps, k_out)
     return fused_kernels_torch.rope_and_write_kv(qk, v, cos, sin, keys, values, slots, q_norm_weight,
                                                  k_norm_weight, eps, q_norm_doubled, k_norm_doubled, k_out)
 
@@ -228,4 +260,6 @@ def gated_activation(gate_up: Tensor, gelu: bool) -> Tensor:
     if not torch.jit.is_scripting():
         if _runs_triton(gate_up):
             return _launch_activation(gate_up, gelu)
+    if cpu_kernels_on() and gate_up.is_cpu:
+        return torch.ops.emberserve.gated_activation(gate_up, gelu)
     return fused_kernels_torch.gated_activation(gate_up, gelu)

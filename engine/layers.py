@@ -7,6 +7,7 @@ needs of the step comes in its `ForwardBatch`.
 """
 # No `from __future__ import annotations`: TorchScript reads the annotations of what it compiles as types.
 import math
+import os
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
@@ -15,7 +16,7 @@ from torch import Tensor, nn
 
 from .batch import ForwardBatch
 from .config import ModelConfig, RopeConfig
-from .fused_kernels import gated_activation, rms_norm, rope_and_write_kv
+from .fused_kernels import CPU_KERNELS, gated_activation, rms_norm, rope_and_write_kv
 from .kv_cache import gather_blocks, window_span
 
 # Dense matmuls see row counts rounded up to a multiple of this: with every prompt length its own shape, the
@@ -24,6 +25,17 @@ from .kv_cache import gather_blocks, window_span
 # independent of how many rows share the call (a single-row call would take a different kernel), which
 # deterministic steps rely on.
 DENSE_ROW_BUCKET = 16
+
+# CPU decode rows attend through their block tables with the compiled kernel (engine/cpu_kernels.py) when it is
+# there: keys read in place, no gather, no float32 copies (a constant to TorchScript). Under Triton's interpreter
+# (tests) CPU tensors take the Triton kernels instead.
+CPU_PAGED_DECODE = CPU_KERNELS and os.environ.get("TRITON_INTERPRET", "0") != "1"
+if CPU_PAGED_DECODE:  # a function for TorchScript, which takes no global values (see fused_kernels.cpu_kernels_on)
+    def cpu_paged_decode() -> bool:
+        return True
+else:
+    def cpu_paged_decode() -> bool:
+        return False
 
 
 def doubled_norm_weight(weight: Tensor) -> Tensor:
@@ -180,6 +192,9 @@ def attend_decode(q: Tensor, keys: Tensor, values: Tensor, batch: ForwardBatch, 
     """Attention of the batch's decode rows q [Bd, H, D] over their cached keys → [Bd, H, D]."""
     tables, lengths = batch.block_tables, batch.seq_lens  # locals: TorchScript refines Optional types of names only
     if tables is not None and lengths is not None:
+        if cpu_paged_decode() and q.is_cpu:
+            return torch.ops.emberserve.paged_decode_attention(q, keys, values, tables, lengths, batch.block_size,
+                                                               scale, window)
         return _paged_decode(q, keys, values, tables, lengths, batch.block_size, scale, window)
     if batch.span_length > 0:  # one row whose keys are consecutive slots, read in place; only the window's visible
         first, length = window_span(batch.span_first, batch.span_length, window)

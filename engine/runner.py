@@ -18,6 +18,7 @@ from .cuda_graphs import DecodeGraphs, table_width
 from .config import EncoderConfig, ModelConfig
 from .errors import ContextLengthError, EngineError, RowError
 from .kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
+from .layers import CPU_PAGED_DECODE
 from .models import BertEncoder, DecoderModel
 from .models.bert import pack_sentences
 from .parallel.messages import MODE_HIDDEN, MODE_LOGITS
@@ -66,6 +67,9 @@ class Runner:
         self.deterministic = deterministic
         # On a GPU decode rows (and prefill over cached blocks) read the cache through the paged kernels.
         self.paged_attention = device.type == "cuda"
+        # On CPU decode rows do too with the compiled kernel (engine/cpu_kernels.py); deterministic steps keep their
+        # float64 attention.
+        self.paged_decode = device.type == "cpu" and CPU_PAGED_DECODE and not deterministic
         self.config: ModelConfig | EncoderConfig = model.cfg
         if pooling not in POOLING_MODES:
             raise ValueError(f"unknown pooling {pooling!r}; use one of {', '.join(POOLING_MODES)}")
@@ -197,8 +201,10 @@ class Runner:
             logits = self.graphs.run(rows)
         else:
             batch = build_batch(rows, self.blocks.block_size, self.config.sliding_window, self.device,
-                                paged=self.paged_attention, deterministic=self.deterministic,
-                                table_width=table_width(self.context_size, self.blocks.block_size))
+                                paged=self.paged_attention, paged_decode=self.paged_decode,
+                                deterministic=self.deterministic,
+                                table_width=table_width(self.context_size, self.blocks.block_size)
+                                if self.paged_attention else None)
             logits = self.forward_batch(batch, copies)
         for row in rows:
             row.seq.num_computed = row.end

@@ -9,8 +9,8 @@ venv, each WORKDIR) are mapped under it, COPY from the build context copies what
 `COPY --from` of the venv is a no-op (every stage shares that directory here). One build arg is substituted, as
 `docker build --build-arg TORCH_INDEX_URL=https://pypi.org/simple` would: download.pytorch.org cannot be reached
 from this machine, and for `torch==2.13.0` pip picks the CPU wheel its configuration finds on local disk. The RUN
-lines of the `base` stage (an interpreter for a CUDA base image, the unprivileged user) are OS set-up needing root;
-they are not run here.
+lines of the `base` and `toolchain` stages (an interpreter for a CUDA base image, the unprivileged user, a C++
+compiler) are OS set-up needing root; they are not run here.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from server_process import ServerProcess, free_port, stop_server, wait_ready
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
 TEST_BUILD_ARGS = {"TORCH_INDEX_URL": "https://pypi.org/simple"}
-OS_STAGE = "base"  # its RUN lines need root and a Debian/Ubuntu image; checked by reading only
+OS_STAGES = ("base", "toolchain")  # their RUN lines need root and a Debian/Ubuntu image; checked by reading only
 RUN_TIMEOUT_S = 600
 
 
@@ -359,8 +359,8 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Image]:
     rules = dockerignore_rules()
     for stage in stages:
         for step in stage.steps:
-            if stage.name == OS_STAGE:
-                assert venv not in step.args, f"stage {OS_STAGE} is not run here but touches the venv: {step.args}"
+            if stage.name in OS_STAGES:
+                assert venv not in step.args, f"stage {stage.name} is not run here but touches the venv: {step.args}"
                 continue
             workdir = Path(image.host(step.workdir))
             workdir.mkdir(parents=True, exist_ok=True)

@@ -148,14 +148,18 @@ def test_torch_norms_are_the_blocks_norms(doubled):
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("call", ["rms_norm", "add_rms_norm", "norm_add_rms_norm", "rope_and_write_kv",
                                   "gated_activation"])
-def test_public_calls_script_and_run_the_torch_path_on_cpu(call):
-    """Scripted (as the CPU decoder stack is) and eager, on CPU without the interpreter: the torch path's result."""
+def test_public_calls_script_and_run_on_cpu(call):
+    """Scripted (as the CPU decoder stack is) and eager, on CPU without the interpreter: the torch path's result,
+    bit for bit, or with the compiled CPU kernels (tests/engine/test_cpu_kernels.py) within the kernels' contract."""
     case = Case(call, "gemma3-1b" if call in ("norm_add_rms_norm", "rope_and_write_kv") else "llama-1b", 3)
     args = build(case)
     want, want_after = expected(case, args)
     for fn in (torch.jit.script(getattr(fused_kernels, call)), getattr(fused_kernels, call)):
         mine = copied(args)
         got = fn(**mine)
+        if fused_kernels.CPU_KERNELS:
+            check(case, args, got, mine)
+            continue
         for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
             assert torch.equal(a, b)
         assert all(torch.equal(mine[k], want_after[k]) for k in mine if isinstance(mine[k], torch.Tensor))

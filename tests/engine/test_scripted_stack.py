@@ -12,6 +12,7 @@ import torch
 
 from engine import load_runner
 from engine.batch import StepRow
+from engine.layers import CPU_PAGED_DECODE
 from tiny_models import VARIANTS, prompt_ids
 
 FORMATS = [("float32", "none"), ("bfloat16", "int4"), ("bfloat16", "int8")]
@@ -25,12 +26,14 @@ class CountingScript:
 
     def __call__(self, x, batch, *args):
         self.calls += 1
-        self.in_place.append(batch.span_length > 0)
+        self.in_place.append(batch.span_length > 0 or batch.block_tables is not None)
         return self.scripted(x, batch, *args)
 
 
-def _runner(tiny, dtype: str, quant: str, scripted: bool):
+def _runner(tiny, dtype: str, quant: str, scripted: bool, paged: bool | None = None):
     runner = load_runner(str(tiny.safetensors_dir), dtype=dtype, quant=quant)
+    if paged is not None:  # decode rows through block tables (the compiled CPU kernel) or the torch paths
+        runner.paged_decode = paged
     runner.model.script = scripted
     if scripted:
         runner.model.__dict__["_scripted"] = CountingScript(runner.model.stack(scripted=True))
@@ -57,18 +60,22 @@ def _decode(runner, tiny, lengths: list[int], steps: int, spacer: bool) -> torch
     return torch.stack(out)
 
 
+PAGED = [False, True] if CPU_PAGED_DECODE else [False]
+
+
 @pytest.mark.parametrize("dtype,quant", FORMATS)
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("lengths,spacer", [([20], False), ([16], True), ([5, 23, 11], False)],
                          ids=["one-row-in-place", "one-row-gathered", "three-rows"])
-def test_scripted_decode_equals_the_eager_modules(tiny_zoo, variant, dtype, quant, lengths, spacer) -> None:
+@pytest.mark.parametrize("paged", PAGED, ids=lambda p: "paged" if p else "torch")
+def test_scripted_decode_equals_the_eager_modules(tiny_zoo, variant, dtype, quant, lengths, spacer, paged) -> None:
     tiny = tiny_zoo.model(variant)
     steps = 12  # gemma3's window is 8: every row decodes past it
-    eager = _decode(_runner(tiny, dtype, quant, scripted=False), tiny, lengths, steps, spacer)
-    runner = _runner(tiny, dtype, quant, scripted=True)
+    eager = _decode(_runner(tiny, dtype, quant, scripted=False, paged=paged), tiny, lengths, steps, spacer)
+    runner = _runner(tiny, dtype, quant, scripted=True, paged=paged)
     scripted = _decode(runner, tiny, lengths, steps, spacer)
     assert runner.model._scripted.calls == steps + 1 + spacer  # the prefills ran scripted too
-    assert runner.model._scripted.in_place[-steps:] == [len(lengths) == 1 and not spacer] * steps
+    assert runner.model._scripted.in_place[-steps:] == [paged or (len(lengths) == 1 and not spacer)] * steps
     assert torch.equal(scripted, eager)
 
 

@@ -1,0 +1,500 @@
+// Fused CPU kernels for the elementwise work and the decode attention between a decoder layer's matmuls.
+//
+// A CPU decode step of a small model is bound by operator calls, not by memory (bench/RESULTS.md, issue 17): each
+// torch op between the matmuls costs microseconds of dispatch, allocation and OpenMP fork/join around nanoseconds
+// of work. These ops do the same maths as engine/fused_kernels_torch.py in one call each, registered with the
+// dispatcher as torch.ops.emberserve.* so that the scripted decoder stack (engine/models/base.py) calls them too:
+//
+//   add_rms_norm          the residual add and the next RMS norm (x + residual, then its norm)
+//   norm_add_rms_norm     gemma3's sandwich: residual + norm(branch), then the next norm
+//   rope_write_kv         optional q/k norms, rotary embedding of q and k, the store of k and v into their slots
+//   gated_activation      silu(gate) * up, or tanh-GELU(gate) * up
+//   paged_decode_attention  one query per row over its keys read in place through its block table
+//
+// Every kernel computes in float32 from float32 or bfloat16 tensors and rounds where the torch ops round (the
+// residual sum, a q/k norm, the rotated x * cos term, the activation), so results differ from the torch path only
+// by the order of a reduction. A row's result never depends on the other rows (batch-invariant). Work is split over
+// torch's intra-op threads only when a call is big enough to pay for the fork/join.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+// Below this many elements of work a call runs on the calling thread: a parallel region costs more.
+constexpr int64_t kParallelWork = 1 << 15;
+
+inline float load(float v) { return v; }
+inline float load(c10::BFloat16 v) {  // the bits shifted into a float's upper half (inline and vectorizable)
+  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+template <typename T> inline T store(float v);
+template <> inline float store<float>(float v) { return v; }
+template <> inline c10::BFloat16 store<c10::BFloat16>(float v) {  // round to nearest even, NaN kept; branch-free
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  u = (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc00000u : u + 0x7fffu + ((u >> 16) & 1u);
+  return c10::BFloat16(static_cast<uint16_t>(u >> 16), c10::BFloat16::from_bits());
+}
+template <typename T> inline float rounded(float v) { return load(store<T>(v)); }
+
+// exp(x) in float32 within 2 ulp for |x| < 87, written out so that loops of it vectorize (libm's expf does not):
+// x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial, 2^n put into the exponent bits.
+inline float fast_exp(float x) {
+  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest: 1.5 * 2^23 trick
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;  // ln2 in two parts: r stays exact
+  float p = 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, sizeof(scale));
+  return p * scale;
+}
+
+inline int64_t grain(int64_t tasks, int64_t work_per_task) {
+  return tasks * work_per_task < kParallelWork ? tasks : std::max<int64_t>(1, kParallelWork / std::max<int64_t>(1, work_per_task));
+}
+
+template <typename T, typename W>
+inline void norm_row(const float* x, int64_t d, const W* w, float eps, T* out) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < d; ++i) ss += x[i] * x[i];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+  for (int64_t i = 0; i < d; ++i) out[i] = store<T>(x[i] * inv * load(w[i]));
+}
+
+// summed = x + residual (rounded to T); normed = rms_norm(summed) * w. residual may be null (summed is x).
+// With branch_w: summed = residual + rms_norm(x) * branch_w (rounded), gemma3's post-norm then add.
+template <typename T, typename W>
+void add_norm_rows(const T* x, const T* residual, const W* branch_w, const W* w, float eps, T* normed, T* summed,
+                   int64_t rows, int64_t d) {
+  at::parallel_for(0, rows, grain(rows, d), [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(d);
+    std::vector<T> branch(branch_w ? d : 0);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * d;
+      if (branch_w) {
+        for (int64_t i = 0; i < d; ++i) buf[i] = load(xr[i]);
+        norm_row<T, W>(buf.data(), d, branch_w, eps, branch.data());
+        xr = branch.data();
+      }
+      if (residual) {
+        const T* rr = residual + r * d;
+        T* sr = summed + r * d;
+        for (int64_t i = 0; i < d; ++i) {
+          sr[i] = store<T>(load(xr[i]) + load(rr[i]));
+          buf[i] = load(sr[i]);
+        }
+      } else {
+        for (int64_t i = 0; i < d; ++i) buf[i] = load(xr[i]);
+      }
+      norm_row<T, W>(buf.data(), d, w, eps, normed + r * d);
+    }
+  });
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16, got ", t.scalar_type());
+}
+
+void check_weight(const at::Tensor& w, int64_t d, const char* name) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, name, " must be float32 or bfloat16");
+  TORCH_CHECK(w.numel() >= d, name, " has ", w.numel(), " elements for rows of ", d);
+}
+
+std::tuple<at::Tensor, at::Tensor> norms(const at::Tensor& x_in, const c10::optional<at::Tensor>& residual_in,
+                                         const c10::optional<at::Tensor>& branch_weight, const at::Tensor& weight,
+                                         double eps) {
+  check_rows(x_in, "x");
+  const int64_t d = x_in.size(-1);
+  check_weight(weight, d, "weight");
+  at::Tensor x = x_in.contiguous();
+  at::Tensor residual;
+  if (residual_in.has_value()) {
+    residual = residual_in->contiguous();
+    TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
+                "residual must match x's shape and dtype");
+  }
+  at::Tensor normed = at::empty_like(x);
+  at::Tensor summed = residual.defined() ? at::empty_like(x) : x;
+  const int64_t rows = d ? x.numel() / d : 0;
+  at::Tensor w = weight.contiguous();
+  at::Tensor bw = branch_weight.has_value() ? branch_weight->contiguous() : at::Tensor();
+  if (bw.defined()) {
+    check_weight(bw, d, "branch_weight");
+    TORCH_CHECK(bw.scalar_type() == w.scalar_type(), "branch_weight and weight must share a dtype");
+  }
+  AT_DISPATCH_SWITCH(x.scalar_type(), "emberserve_norms",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      if (w.scalar_type() == at::kFloat)
+        add_norm_rows<float, float>(x.data_ptr<float>(), residual.defined() ? residual.data_ptr<float>() : nullptr,
+                                    bw.defined() ? bw.data_ptr<float>() : nullptr, w.data_ptr<float>(), eps,
+                                    normed.data_ptr<float>(), summed.data_ptr<float>(), rows, d);
+      else
+        add_norm_rows<float, c10::BFloat16>(x.data_ptr<float>(), residual.defined() ? residual.data_ptr<float>() : nullptr,
+                                            bw.defined() ? bw.data_ptr<c10::BFloat16>() : nullptr,
+                                            w.data_ptr<c10::BFloat16>(), eps, normed.data_ptr<float>(),
+                                            summed.data_ptr<float>(), rows, d);
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      using T = c10::BFloat16;
+      if (w.scalar_type() == at::kFloat)
+        add_norm_rows<T, float>(x.data_ptr<T>(), residual.defined() ? residual.data_ptr<T>() : nullptr,
+                                bw.defined() ? bw.data_ptr<float>() : nullptr, w.data_ptr<float>(), eps,
+                                normed.data_ptr<T>(), summed.data_ptr<T>(), rows, d);
+      else
+        add_norm_rows<T, T>(x.data_ptr<T>(), residual.defined() ? residual.data_ptr<T>() : nullptr,
+                            bw.defined() ? bw.data_ptr<T>() : nullptr, w.data_ptr<T>(), eps, normed.data_ptr<T>(),
+                            summed.data_ptr<T>(), rows, d);
+    }));
+  return {normed, summed};
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                                const at::Tensor& weight, double eps) {
+  return norms(x, residual, c10::nullopt, weight, eps);
+}
+
+std::tuple<at::Tensor, at::Tensor> norm_add_rms_norm(const at::Tensor& branch, const at::Tensor& residual,
+                                                     const at::Tensor& branch_weight, const at::Tensor& weight,
+                                                     double eps) {
+  return norms(branch, residual, branch_weight, weight, eps);
+}
+
+// ---- rotary embedding and the KV write ----
+
+template <typename T>
+void rope_rows(const at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
+               at::Tensor& keys, at::Tensor& values, const std::vector<int64_t>& slots, const at::Tensor& qw,
+               const at::Tensor& kw, float eps, at::Tensor& q_out, at::Tensor* k_out) {
+  const int64_t n = qk.size(0), total = qk.size(1), d = qk.size(2), kvh = keys.size(0), heads = total - kvh;
+  const int64_t half = d / 2;
+  const T* qk_p = qk.data_ptr<T>();
+  const T* v_p = v.data_ptr<T>();
+  const T* cos_p = cos.data_ptr<T>();
+  const T* sin_p = sin.data_ptr<T>();
+  T* keys_p = keys.data_ptr<T>();
+  T* values_p = values.data_ptr<T>();
+  T* q_p = q_out.data_ptr<T>();
+  T* ko_p = k_out ? k_out->data_ptr<T>() : nullptr;
+  const int64_t qk_s0 = qk.stride(0), qk_s1 = qk.stride(1), v_s0 = v.stride(0), v_s1 = v.stride(1);
+  const int64_t cos_s0 = cos.stride(0), sin_s0 = sin.stride(0);
+  const int64_t key_s0 = keys.stride(0), key_s1 = keys.stride(1), val_s0 = values.stride(0), val_s1 = values.stride(1);
+  const bool normed = qw.defined();
+  const float* qw_p = normed ? qw.data_ptr<float>() : nullptr;
+  const float* kw_p = normed ? kw.data_ptr<float>() : nullptr;
+  at::parallel_for(0, n, grain(n, total * d), [&](int64_t begin, int64_t end) {
+    std::vector<float> x(d), buf(d);
+    std::vector<T> tmp(d);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* c = cos_p + r * cos_s0;
+      const T* s = sin_p + r * sin_s0;
+      const int64_t slot = slots[r];
+      for (int64_t h = 0; h < total; ++h) {
+        const T* src = qk_p + r * qk_s0 + h * qk_s1;
+        const bool is_k = h >= heads;
+        if (normed) {  // the per-head norm, rounded to T as the torch path's rms_norm returns it
+          for (int64_t i = 0; i < d; ++i) buf[i] = load(src[i]);
+          const float* w = is_k ? kw_p : qw_p;
+          float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+          for (int64_t i = 0; i < d; ++i) ss += buf[i] * buf[i];
+          const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+          for (int64_t i = 0; i < d; ++i) x[i] = rounded<T>(buf[i] * inv * w[i]);
+        } else {
+          for (int64_t i = 0; i < d; ++i) x[i] = load(src[i]);
+        }
+        // x * cos (rounded, as its own op rounds), plus rotate_half(x) * signed sin, rounded once (addcmul).
+        T* dst = is_k ? tmp.data() : q_p + (r * heads + h) * d;
+        for (int64_t i = 0; i < d; ++i) {
+          const float rot = i < half ? x[i + half] : x[i - half];
+          dst[i] = store<T>(rounded<T>(x[i] * load(c[i])) + rot * load(s[i]));
+        }
+        if (is_k) {
+          const int64_t kh = h - heads;
+          std::memcpy(keys_p + kh * key_s0 + slot * key_s1, tmp.data(), d * sizeof(T));
+          if (ko_p) std::memcpy(ko_p + (r * kvh + kh) * d, tmp.data(), d * sizeof(T));
+          std::memcpy(values_p + kh * val_s0 + slot * val_s1, v_p + r * v_s0 + kh * v_s1, d * sizeof(T));
+        }
+      }
+    }
+  });
+}
+
+at::Tensor rope_write_kv(const at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
+                         at::Tensor& keys, at::Tensor& values, const at::Tensor& slots,
+                         const c10::optional<at::Tensor>& q_norm_weight, const c10::optional<at::Tensor>& k_norm_weight,
+                         double eps, c10::optional<at::Tensor> k_out) {
+  check_rows(qk, "qk");
+  TORCH_CHECK(qk.dim() == 3 && keys.dim() == 3 && keys.sizes() == values.sizes(),
+              "qk must be [N, H + KVH, D] and keys/values [KVH, slots, D] alike");
+  const int64_t n = qk.size(0), total = qk.size(1), d = qk.size(2), kvh = keys.size(0);
+  TORCH_CHECK(total > kvh && d % 2 == 0 && keys.size(2) == d, "qk does not fit the cache's KV heads");
+  TORCH_CHECK(v.dim() == 3 && v.size(0) == n && v.size(1) == kvh && v.size(2) == d, "v must be [N, KVH, D]");
+  TORCH_CHECK(qk.scalar_type() == v.scalar_type() && qk.scalar_type() == keys.scalar_type() &&
+              qk.scalar_type() == values.scalar_type() && cos.scalar_type() == qk.scalar_type() &&
+              sin.scalar_type() == qk.scalar_type(), "qk, v, cos, sin, keys and values must share a dtype");
+  TORCH_CHECK(qk.stride(2) == 1 && v.stride(2) == 1 && keys.stride(2) == 1 && values.stride(2) == 1,
+              "qk, v, keys and values must be contiguous along head_dim");
+  TORCH_CHECK(cos.numel() == n * d && sin.numel() == n * d, "cos and sin must be [N, 1, D]");
+  TORCH_CHECK(slots.numel() == n, "one slot per row");
+  TORCH_CHECK(q_norm_weight.has_value() == k_norm_weight.has_value(), "q and k norm weights go together");
+  at::Tensor c = cos.contiguous(), s = sin.contiguous();
+  at::Tensor slots64 = slots.to(at::kLong).contiguous();
+  std::vector<int64_t> slot_list(slots64.data_ptr<int64_t>(), slots64.data_ptr<int64_t>() + n);
+  for (int64_t slot : slot_list) TORCH_CHECK(slot >= 0 && slot < keys.size(1), "slot ", slot, " is not in the cache");
+  at::Tensor qw, kw;
+  if (q_norm_weight.has_value()) {
+    qw = q_norm_weight->to(at::kFloat).contiguous();
+    kw = k_norm_weight->to(at::kFloat).contiguous();
+    TORCH_CHECK(qw.numel() >= d && kw.numel() >= d, "q/k norm weights must have head_dim elements");
+  }
+  at::Tensor q = at::empty({n, total - kvh, d}, qk.options());
+  at::Tensor* ko = nullptr;
+  if (k_out.has_value()) {
+    TORCH_CHECK(k_out->is_contiguous() && k_out->numel() == n * kvh * d && k_out->scalar_type() == qk.scalar_type(),
+                "k_out must be a contiguous [N, KVH, D] tensor of qk's dtype");
+    ko = &k_out.value();
+  }
+  AT_DISPATCH_SWITCH(qk.scalar_type(), "emberserve_rope",
+    AT_DISPATCH_CASE(at::kFloat, [&] { rope_rows<float>(qk, v, c, s, keys, values, slot_list, qw, kw, eps, q, ko); })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      rope_rows<c10::BFloat16>(qk, v, c, s, keys, values, slot_list, qw, kw, eps, q, ko);
+    }));
+  return q;
+}
+
+// ---- the gated activation ----
+
+template <typename T, bool Gelu>
+void activation_rows(const T* in, T* out, int64_t rows, int64_t in_stride, int64_t f) {
+  at::parallel_for(0, rows, grain(rows, f), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = in + r * in_stride;
+      const T* u = g + f;
+      T* o = out + r * f;
+#pragma omp simd
+      for (int64_t i = 0; i < f; ++i) {
+        const float x = load(g[i]);
+        float a;
+        if constexpr (Gelu) {  // 1 + tanh(y) = 2 - 2 / (exp(2y) + 1)
+          const float y = 0.7978845608028654f * (x + 0.044715f * x * x * x);  // sqrt(2 / pi) (x + 0.044715 x^3)
+          a = x * (1.f - 1.f / (fast_exp(2.f * y) + 1.f));
+        } else {
+          a = x / (1.f + fast_exp(-x));
+        }
+        o[i] = store<T>(rounded<T>(a) * load(u[i]));  // act(gate) rounded, as its own op returns it, then * up
+      }
+    }
+  });
+}
+
+at::Tensor gated_activation(const at::Tensor& gate_up, bool gelu) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(-1) % 2 == 0, "gate_up's last dimension must be [gate | up], even");
+  at::Tensor x = gate_up.stride(-1) == 1 ? gate_up : gate_up.contiguous();
+  const int64_t f = x.size(-1) / 2;
+  at::Tensor flat = x.reshape({-1, 2 * f});
+  if (flat.stride(-1) != 1 || (flat.size(0) > 1 && flat.stride(0) != 2 * f)) flat = flat.contiguous();
+  auto sizes = x.sizes().vec();
+  sizes.back() = f;
+  at::Tensor out = at::empty(sizes, x.options());
+  const int64_t rows = flat.size(0);
+  AT_DISPATCH_SWITCH(x.scalar_type(), "emberserve_activation",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      auto run = gelu ? activation_rows<float, true> : activation_rows<float, false>;
+      run(flat.data_ptr<float>(), out.data_ptr<float>(), rows, flat.stride(0), f);
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      using T = c10::BFloat16;
+      auto run = gelu ? activation_rows<T, true> : activation_rows<T, false>;
+      run(flat.data_ptr<T>(), out.data_ptr<T>(), rows, flat.stride(0), f);
+    }));
+  return out;
+}
+
+// ---- decode attention over the paged pool ----
+
+// out[h * out_stride] = q_h . k for the `heads` (1 to 4) query rows q [heads, d]: one pass over k with a separate
+// sum per head, so that the vector additions of different heads overlap instead of waiting on one another.
+template <int N>
+inline void dots_n(const float* q, const float* k, int64_t d, float* out, int64_t out_stride) {
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+  const float *q0 = q, *q1 = q + d, *q2 = q + 2 * d, *q3 = q + 3 * d;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+  for (int64_t i = 0; i < d; ++i) {
+    s0 += q0[i] * k[i];
+    if constexpr (N > 1) s1 += q1[i] * k[i];
+    if constexpr (N > 2) s2 += q2[i] * k[i];
+    if constexpr (N > 3) s3 += q3[i] * k[i];
+  }
+  out[0] = s0;
+  if constexpr (N > 1) out[out_stride] = s1;
+  if constexpr (N > 2) out[2 * out_stride] = s2;
+  if constexpr (N > 3) out[3 * out_stride] = s3;
+}
+
+inline void dots(const float* q, int64_t heads, const float* k, int64_t d, float* out, int64_t out_stride) {
+  switch (heads) {
+    case 1: dots_n<1>(q, k, d, out, out_stride); break;
+    case 2: dots_n<2>(q, k, d, out, out_stride); break;
+    case 3: dots_n<3>(q, k, d, out, out_stride); break;
+    default: dots_n<4>(q, k, d, out, out_stride); break;
+  }
+}
+
+template <typename T>
+void decode_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const int32_t* tables,
+                 int64_t table_stride, const int32_t* lens, int64_t block_size, float scale, int64_t window,
+                 at::Tensor& out) {
+  const int64_t b = q.size(0), h = q.size(1), d = q.size(2), kvh = keys.size(0), group = h / kvh;
+  const T* q_p = q.data_ptr<T>();
+  const T* k_p = keys.data_ptr<T>();
+  const T* v_p = values.data_ptr<T>();
+  T* o_p = out.data_ptr<T>();
+  const int64_t q_s0 = q.stride(0), q_s1 = q.stride(1), k_s0 = keys.stride(0), k_s1 = keys.stride(1);
+  const int64_t v_s0 = values.stride(0), v_s1 = values.stride(1);
+  int64_t longest = 1;
+  for (int64_t r = 0; r < b; ++r) longest = std::max<int64_t>(longest, lens[r]);
+  at::parallel_for(0, b * kvh, grain(b * kvh, longest * d * group), [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * d), acc(group * d), kf(d), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / kvh, kh = task % kvh;
+      const int64_t len = lens[r];
+      T* o = o_p + r * out.stride(0) + kh * group * out.stride(1);
+      if (len <= 0) {  // a padding row
+        for (int64_t g = 0; g < group; ++g) std::fill_n(o + g * out.stride(1), d, store<T>(0.f));
+        continue;
+      }
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0, count = len - first;
+      for (int64_t g = 0; g < group; ++g) {
+        const T* src = q_p + r * q_s0 + (kh * group + g) * q_s1;
+        for (int64_t i = 0; i < d; ++i) qf[g * d + i] = load(src[i]) * scale;
+      }
+      scores.resize(group * count);
+      const int32_t* table = tables + r * table_stride;
+      // Keys a block at a time (its slots are consecutive): no division per key.
+      for (int64_t pos = first; pos < len;) {
+        const int64_t in_block = pos % block_size, run = std::min(block_size - in_block, len - pos);
+        const T* key = k_p + kh * k_s0 + (static_cast<int64_t>(table[pos / block_size]) * block_size + in_block) * k_s1;
+        for (int64_t t = 0; t < run; ++t, key += k_s1) {
+          for (int64_t i = 0; i < d; ++i) kf[i] = load(key[i]);
+          const int64_t j = pos - first + t;
+          for (int64_t g = 0; g < group; g += 4)  // up to four heads' dot products at once: independent sums
+            dots(qf.data() + g * d, std::min<int64_t>(4, group - g), kf.data(), d, scores.data() + g * count + j,
+                 count);
+        }
+        pos += run;
+      }
+      for (int64_t g = 0; g < group; ++g) {  // softmax in place
+        float* sg = scores.data() + g * count;
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < count; ++j) top = std::max(top, sg[j]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < count; ++j) {
+          sg[j] = fast_exp(sg[j] - top);
+          sum += sg[j];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t j = 0; j < count; ++j) sg[j] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t pos = first; pos < len;) {
+        const int64_t in_block = pos % block_size, run = std::min(block_size - in_block, len - pos);
+        const T* val = v_p + kh * v_s0 + (static_cast<int64_t>(table[pos / block_size]) * block_size + in_block) * v_s1;
+        for (int64_t t = 0; t < run; ++t, val += v_s1) {
+          for (int64_t i = 0; i < d; ++i) kf[i] = load(val[i]);
+          const int64_t j = pos - first + t;
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = scores[g * count + j];
+            float* ag = acc.data() + g * d;
+#pragma omp simd
+            for (int64_t i = 0; i < d; ++i) ag[i] += p * kf[i];
+          }
+        }
+        pos += run;
+      }
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t i = 0; i < d; ++i) o[g * out.stride(1) + i] = store<T>(acc[g * d + i]);
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
+                                  double scale, int64_t window) {
+  check_rows(q, "q");
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && keys.sizes() == values.sizes(),
+              "q must be [B, H, D] and keys/values [KVH, slots, D] alike");
+  TORCH_CHECK(q.scalar_type() == keys.scalar_type() && q.scalar_type() == values.scalar_type(),
+              "q, keys and values must share a dtype");
+  const int64_t b = q.size(0), h = q.size(1), d = q.size(2), kvh = keys.size(0);
+  TORCH_CHECK(keys.size(2) == d && h % kvh == 0, "q's heads must be a multiple of the cache's KV heads of dim ", d);
+  TORCH_CHECK(q.stride(2) == 1 && keys.stride(2) == 1 && values.stride(2) == 1, "head_dim must be contiguous");
+  TORCH_CHECK(block_size >= 1 && keys.size(1) % block_size == 0, "the pool is not whole blocks");
+  at::Tensor tables = block_tables.to(at::kInt).contiguous();
+  at::Tensor lens = seq_lens.to(at::kInt).contiguous();
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == b && lens.numel() == b, "one block table and length per row");
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int64_t width = tables.size(1), pool_blocks = keys.size(1) / block_size;
+  for (int64_t r = 0; r < b; ++r) {  // every block a row reads must be in the pool
+    TORCH_CHECK(lp[r] <= width * block_size, "row ", r, " has more keys than its block table holds");
+    for (int64_t i = 0; i < (lp[r] + block_size - 1) / block_size; ++i)
+      TORCH_CHECK(tp[r * width + i] >= 0 && tp[r * width + i] < pool_blocks, "block ", tp[r * width + i],
+                  " is not in the pool");
+  }
+  at::Tensor out = at::empty({b, h, d}, q.options());
+  AT_DISPATCH_SWITCH(q.scalar_type(), "emberserve_decode_attention",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      decode_rows<float>(q, keys, values, tp, width, lp, block_size, scale, window, out);
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      decode_rows<c10::BFloat16>(q, keys, values, tp, width, lp, block_size, scale, window, out);
+    }));
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(emberserve, m) {
+  m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("norm_add_rms_norm(Tensor branch, Tensor residual, Tensor branch_weight, Tensor weight, float eps) "
+        "-> (Tensor, Tensor)");
+  m.def("rope_write_kv(Tensor qk, Tensor v, Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, "
+        "Tensor slots, Tensor? q_norm_weight, Tensor? k_norm_weight, float eps, Tensor(c!)? k_out) -> Tensor");
+  m.def("gated_activation(Tensor gate_up, bool gelu) -> Tensor");
+  m.def("paged_decode_attention(Tensor q, Tensor keys, Tensor values, Tensor block_tables, Tensor seq_lens, "
+        "int block_size, float scale, int window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(emberserve, CPU, m) {
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("norm_add_rms_norm", &norm_add_rms_norm);
+  m.impl("rope_write_kv", &rope_write_kv);
+  m.impl("gated_activation", &gated_activation);
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}
