@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# emberserve vs llama.cpp (llama-cpp-python's server) on the same GGUF, one after the other, same load.
+# emberserve vs llama.cpp on the same GGUF, one after the other, same load.
 # Usage: bench/compare_servers.sh [MODEL [bench/serve.py args for the load run]]
 #   (default smollm2-135m and every scenario; results in bench/out/*.json and on stdout)
 #   VARIANTS="default" bench/compare_servers.sh gemma3-270m --concurrency 1 8 --no-prefix   (a narrower run)
+# The peer (PEER): `llama-server` (default), llama.cpp's own C++ server with continuous batching, what Ollama runs:
+# 16 slots over one unified KV pool (-np 16 -kvu), so that 16 streams decode together; or `llama-cpp-python`, its
+# Python server, which runs one request at a time (kept as a second, weaker peer). llama-server comes from
+# LLAMA_SERVER_DIR (default ~/.cache/llama-server), built once by the shared build_llama_server.sh (about 10
+# minutes on 2 cores, without ggml's AMX path, which segfaults on Q4_1); llama-cpp-python lives in its own venv
+# (.venv-llamacpp, built once: about 8 minutes). Both are benchmark-only dependencies, not the project's.
 # Per server: the load of bench/serve.py (concurrency 1/4/8/16, ~16 and ~1024-token prompts, 64 tokens, prefix
 # reuse), then one stream of 256 output tokens, then its RSS (now and peak). emberserve runs twice: its default
-# (bfloat16 activations, int4 weights) and the exact float32 path.
-# The llama.cpp server lives in its own venv (.venv-llamacpp, built once: about 8 minutes on 2 cores); it is a
-# benchmark-only dependency, not the project's. Both servers get a 4096-token context (llama.cpp's --n_ctx, our
-# --max-context), so their KV caches hold the same number of tokens. llama.cpp ignores ignore_eos, so the end
-# tokens are banned with logit_bias instead: both servers then generate exactly max_tokens.
-# ALTERNATE=N: instead, start both servers (llama.cpp and emberserve's default) and run one scenario N times each,
+# (bfloat16 activations, int4 weights) and the exact float32 path. Both servers use 2 threads and a 4096-token
+# KV pool (llama.cpp's -c / --n_ctx, our --max-context), so their caches hold the same number of tokens. End
+# tokens are banned with logit_bias (llama-cpp-python ignores ignore_eos): every request makes max_tokens.
+# ALTERNATE=N: instead, start both servers (the peer and emberserve's default) and run one scenario N times each,
 # alternating, so that the VM's drift hits both alike: by default the one-stream scenario (256 output tokens, 3
 # requests); ALTERNATE_ARGS="--concurrency 8 --max-tokens 64" (bench/serve.py arguments) picks another.
 set -euo pipefail
@@ -19,10 +23,21 @@ MODEL=${1:-smollm2-135m}
 shift || true
 VARIANTS=${VARIANTS:-"default float32:--dtype=float32"}
 PY=.venv/bin/python
-if [ ! -x .venv-llamacpp/bin/python ]; then
-  python3 -m venv .venv-llamacpp
-  CMAKE_BUILD_PARALLEL_LEVEL=2 .venv-llamacpp/bin/pip install --quiet "llama-cpp-python[server]==0.3.36"
-fi
+PEER=${PEER:-llama-server}
+LLAMA_SERVER_DIR=${LLAMA_SERVER_DIR:-$HOME/.cache/llama-server}
+case "$PEER" in
+  llama-server)
+    if [ ! -x "$LLAMA_SERVER_DIR/llama-server" ]; then
+      echo "no llama-server in $LLAMA_SERVER_DIR: build it with build_llama_server.sh $LLAMA_SERVER_DIR" >&2
+      exit 2
+    fi ;;
+  llama-cpp-python)
+    if [ ! -x .venv-llamacpp/bin/python ]; then
+      python3 -m venv .venv-llamacpp
+      CMAKE_BUILD_PARALLEL_LEVEL=2 .venv-llamacpp/bin/pip install --quiet "llama-cpp-python[server]==0.3.36"
+    fi ;;
+  *) echo "PEER must be llama-server or llama-cpp-python, not $PEER" >&2; exit 2 ;;
+esac
 GGUF=$($PY -c "from engine import KNOWN_MODELS; print(KNOWN_MODELS['$MODEL'].path())")
 EOS=$($PY -c "
 import json, sys
@@ -49,8 +64,13 @@ alternate_run() {  # label base-url extra-body round
     --prompt-tokens 16 --no-prefix "${ALT_ARGS[@]}"
 }
 
-.venv-llamacpp/bin/python -m llama_cpp.server --model "$GGUF" --n_threads 2 --n_ctx 4096 --interrupt_requests False \
-  --port 8001 --model_alias "$MODEL" >bench/out/llama.log 2>&1 &
+if [ "$PEER" = llama-server ]; then
+  LD_LIBRARY_PATH="$LLAMA_SERVER_DIR" "$LLAMA_SERVER_DIR/llama-server" -m "$GGUF" -t 2 -np 16 -c 4096 -kvu \
+    --port 8001 --alias "$MODEL" >bench/out/llama.log 2>&1 &
+else
+  .venv-llamacpp/bin/python -m llama_cpp.server --model "$GGUF" --n_threads 2 --n_ctx 4096 --interrupt_requests False \
+    --port 8001 --model_alias "$MODEL" >bench/out/llama.log 2>&1 &
+fi
 LLAMA=$!
 wait_ready http://127.0.0.1:8001/v1/models
 if [ -n "${ALTERNATE:-}" ]; then
@@ -59,14 +79,14 @@ if [ -n "${ALTERNATE:-}" ]; then
   EMBER=$!
   wait_ready http://127.0.0.1:8002/health
   for round in $(seq "$ALTERNATE"); do
-    alternate_run "llama.cpp-$MODEL" http://127.0.0.1:8001 "{\"repeat_penalty\": 1.0, \"logit_bias\": $EOS}" "$round"
+    alternate_run "$PEER-$MODEL" http://127.0.0.1:8001 "{\"repeat_penalty\": 1.0, \"logit_bias\": $EOS}" "$round"
     alternate_run "emberserve-$MODEL-default" http://127.0.0.1:8002 '{}' "$round"
   done
   kill $LLAMA $EMBER; wait 2>/dev/null || true
   exit 0
 fi
-bench "llama.cpp-$MODEL" http://127.0.0.1:8001 "{\"repeat_penalty\": 1.0, \"logit_bias\": $EOS}"
-rss "llama.cpp-$MODEL" $LLAMA
+bench "$PEER-$MODEL" http://127.0.0.1:8001 "{\"repeat_penalty\": 1.0, \"logit_bias\": $EOS}"
+rss "$PEER-$MODEL" $LLAMA
 kill $LLAMA; wait $LLAMA 2>/dev/null || true
 
 for variant in $VARIANTS; do
