@@ -96,7 +96,8 @@ def build_batch(rows: list[StepRow], block_size: int, window: int | None, device
     """Lay out `rows` as one flat forward pass; `window` is the sliding-window size (None: no sliding layers);
     `paged`: attention over cached blocks through the paged kernels (block tables) rather than gathers, the tables
     `table_width` wide (the width CUDA-graph steps use: then every step launches the kernels compiled for those);
-    `paged_decode`: only the decode rows through block tables (CPU: the compiled kernel, prefill chunks gather)."""
+    `paged_decode`: the decode rows and the short chunks over cached blocks through block tables, the longer chunks
+    through gathers (CPU: the compiled kernels, where a long chunk's gather feeds torch's fused attention)."""
     decode_rows = [row for row in rows if row.end - row.start == 1]
     short_rows = [row for row in rows if 1 < row.end - row.start < DENSE_MIN_ROWS]
     prefill_rows = short_rows + [row for row in rows if row.end - row.start >= DENSE_MIN_ROWS]
@@ -144,7 +145,8 @@ def build_batch(rows: list[StepRow], block_size: int, window: int | None, device
     cached = []
     for row in prefill_rows:
         begin = begins[id(row)]
-        if row.start > 0 and paged:  # over cached blocks: all such rows in one paged prefill call
+        short = row.end - row.start < DENSE_MIN_ROWS
+        if row.start > 0 and (paged or (paged_decode and short)):  # over cached blocks: one paged prefill call
             cached.append((begin, row))
             continue
         p_begins.append(begin)

@@ -29,7 +29,6 @@ import torch
 log = logging.getLogger("emberserve.engine")
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
-_OPS = ("add_rms_norm", "norm_add_rms_norm", "rope_write_kv", "gated_activation", "paged_decode_attention")
 _state: dict[str, object] = {"loaded": None, "why": ""}
 
 
@@ -99,6 +98,9 @@ def _define_fallbacks() -> None:
     lib.define("gated_activation(Tensor gate_up, bool gelu) -> Tensor")
     lib.define("paged_decode_attention(Tensor q, Tensor keys, Tensor values, Tensor block_tables, Tensor seq_lens, "
                "int block_size, float scale, int window) -> Tensor")
+    lib.define("paged_prefill_attention(Tensor q, Tensor keys, Tensor values, Tensor block_tables, Tensor seq_lens, "
+               "Tensor query_lens, Tensor query_starts, int block_size, float scale, int window, Tensor(a!) out) "
+               "-> Tensor(a!)")
 
     def norm_weight(w: torch.Tensor, d: int) -> torch.Tensor:
         return w.reshape(-1)[:d]
@@ -114,6 +116,8 @@ def _define_fallbacks() -> None:
 
     lib.impl("paged_decode_attention", lambda q, k, v, t, n, bs, scale, window: paged_attention_torch.decode(
         q, k, v, t, n, bs, scale, window), "CPU")
+    lib.impl("paged_prefill_attention", lambda q, k, v, t, n, ql, qs, bs, scale, window, out: (
+        paged_attention_torch.prefill(q, k, v, t, n, ql, qs, bs, scale, window, out), out)[1], "CPU")
     _state["fallback_library"] = lib  # the registrations live as long as the Library object
 
 

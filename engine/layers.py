@@ -26,8 +26,8 @@ from .kv_cache import gather_blocks, window_span
 # deterministic steps rely on.
 DENSE_ROW_BUCKET = 16
 
-# CPU decode rows attend through their block tables with the compiled kernel (engine/cpu_kernels.py) when it is
-# there: keys read in place, no gather, no float32 copies (a constant to TorchScript). Under Triton's interpreter
+# CPU decode rows, and short chunks over cached blocks, attend through their block tables with the compiled kernels
+# (engine/cpu_kernels.py) when they are there: keys read in place, no gather, no float32 copies. Under Triton's interpreter
 # (tests) CPU tensors take the Triton kernels instead.
 CPU_PAGED_DECODE = CPU_KERNELS and os.environ.get("TRITON_INTERPRET", "0") != "1"
 if CPU_PAGED_DECODE:  # a function for TorchScript, which takes no global values (see fused_kernels.cpu_kernels_on)
@@ -243,7 +243,10 @@ def attend(q: Tensor, k: Optional[Tensor], v: Tensor, keys: Tensor, values: Tens
             attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa)
         out[begin:end] = o[0].transpose(0, 1)
     paged, tables = batch.paged_prefill, batch.prefill_tables
-    if paged is not None and tables is not None:  # the rows over cached blocks (GPU)
+    if paged is not None and tables is not None:  # the rows over cached blocks (GPU; short chunks on CPU)
+        if cpu_paged_decode() and q.is_cpu:
+            return torch.ops.emberserve.paged_prefill_attention(q, keys, values, tables, paged[2], paged[1], paged[0],
+                                                                batch.block_size, scale, window, out)
         out = _paged_prefill(q, keys, values, tables, paged, batch.block_size, scale, window,
                              batch.prefill_max_query, out)
     return out

@@ -10,6 +10,7 @@
 //   rope_write_kv         optional q/k norms, rotary embedding of q and k, the store of k and v into their slots
 //   gated_activation      silu(gate) * up, or tanh-GELU(gate) * up
 //   paged_decode_attention  one query per row over its keys read in place through its block table
+//   paged_prefill_attention the queries of short chunks over their rows' cached keys, the same way
 //
 // Every kernel computes in float32 from float32 or bfloat16 tensors and rounds where the torch ops round (the
 // residual sum, a q/k norm, the rotated x * cos term, the activation), so results differ from the torch path only
@@ -20,8 +21,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -365,115 +366,179 @@ inline void dots(const float* q, int64_t heads, const float* k, int64_t d, float
   }
 }
 
+struct Scratch {
+  std::vector<float> q, acc, k, scores;
+};
+
+// The `group` query heads q (head stride q_hs) sharing one KV head, for one query that sees the keys at positions
+// [first, len) of its row (block `table`; k / v: that KV head's slots, slot stride k_s / v_s) → o (head stride o_hs).
+// Scores, softmax and the weighted sum in float32; the keys and values read in place, a block's run at a time.
 template <typename T>
-void decode_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const int32_t* tables,
-                 int64_t table_stride, const int32_t* lens, int64_t block_size, float scale, int64_t window,
-                 at::Tensor& out) {
-  const int64_t b = q.size(0), h = q.size(1), d = q.size(2), kvh = keys.size(0), group = h / kvh;
+void attend_group(const T* q, int64_t q_hs, const T* k, int64_t k_s, const T* v, int64_t v_s, const int32_t* table,
+                  int64_t block_size, int64_t first, int64_t len, int64_t group, int64_t d, float scale, T* o,
+                  int64_t o_hs, Scratch& s) {
+  if (len <= first) {  // a padding row
+    for (int64_t g = 0; g < group; ++g) std::fill_n(o + g * o_hs, d, store<T>(0.f));
+    return;
+  }
+  const int64_t count = len - first;
+  s.q.resize(group * d);
+  s.acc.assign(group * d, 0.f);
+  s.k.resize(d);
+  s.scores.resize(group * count);
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t i = 0; i < d; ++i) s.q[g * d + i] = load(q[g * q_hs + i]) * scale;
+  for (int64_t pos = first; pos < len;) {  // a block's slots are consecutive: no division per key
+    const int64_t in_block = pos % block_size, run = std::min(block_size - in_block, len - pos);
+    const T* key = k + (static_cast<int64_t>(table[pos / block_size]) * block_size + in_block) * k_s;
+    for (int64_t t = 0; t < run; ++t, key += k_s) {
+      for (int64_t i = 0; i < d; ++i) s.k[i] = load(key[i]);
+      const int64_t j = pos - first + t;
+      for (int64_t g = 0; g < group; g += 4)  // up to four heads' dot products at once: independent sums
+        dots(s.q.data() + g * d, std::min<int64_t>(4, group - g), s.k.data(), d, s.scores.data() + g * count + j,
+             count);
+    }
+    pos += run;
+  }
+  for (int64_t g = 0; g < group; ++g) {  // softmax in place
+    float* sg = s.scores.data() + g * count;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < count; ++j) top = std::max(top, sg[j]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < count; ++j) {
+      sg[j] = fast_exp(sg[j] - top);
+      sum += sg[j];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t j = 0; j < count; ++j) sg[j] *= inv;
+  }
+  for (int64_t pos = first; pos < len;) {
+    const int64_t in_block = pos % block_size, run = std::min(block_size - in_block, len - pos);
+    const T* val = v + (static_cast<int64_t>(table[pos / block_size]) * block_size + in_block) * v_s;
+    for (int64_t t = 0; t < run; ++t, val += v_s) {
+      for (int64_t i = 0; i < d; ++i) s.k[i] = load(val[i]);
+      const int64_t j = pos - first + t;
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = s.scores[g * count + j];
+        float* ag = s.acc.data() + g * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) ag[i] += p * s.k[i];
+      }
+    }
+    pos += run;
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t i = 0; i < d; ++i) o[g * o_hs + i] = store<T>(s.acc[g * d + i]);
+}
+
+// Queries of rows over their cached keys: query `qi` of `queries` [(q row, table row, first key, end key)], one task
+// per (query, KV head), split over threads when the work pays for it.
+template <typename T>
+void attend_queries(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const int32_t* tables,
+                    int64_t table_stride, const std::vector<std::array<int64_t, 4>>& queries, int64_t block_size,
+                    float scale, at::Tensor& out) {
+  const int64_t h = q.size(1), d = q.size(2), kvh = keys.size(0), group = h / kvh;
+  const int64_t n = static_cast<int64_t>(queries.size());
+  int64_t longest = 1;
+  for (const auto& query : queries) longest = std::max<int64_t>(longest, query[3] - query[2]);
   const T* q_p = q.data_ptr<T>();
   const T* k_p = keys.data_ptr<T>();
   const T* v_p = values.data_ptr<T>();
   T* o_p = out.data_ptr<T>();
-  const int64_t q_s0 = q.stride(0), q_s1 = q.stride(1), k_s0 = keys.stride(0), k_s1 = keys.stride(1);
-  const int64_t v_s0 = values.stride(0), v_s1 = values.stride(1);
-  int64_t longest = 1;
-  for (int64_t r = 0; r < b; ++r) longest = std::max<int64_t>(longest, lens[r]);
-  at::parallel_for(0, b * kvh, grain(b * kvh, longest * d * group), [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * d), acc(group * d), kf(d), scores;
+  at::parallel_for(0, n * kvh, grain(n * kvh, longest * d * group), [&](int64_t begin, int64_t end) {
+    Scratch scratch;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / kvh, kh = task % kvh;
-      const int64_t len = lens[r];
-      T* o = o_p + r * out.stride(0) + kh * group * out.stride(1);
-      if (len <= 0) {  // a padding row
-        for (int64_t g = 0; g < group; ++g) std::fill_n(o + g * out.stride(1), d, store<T>(0.f));
-        continue;
-      }
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0, count = len - first;
-      for (int64_t g = 0; g < group; ++g) {
-        const T* src = q_p + r * q_s0 + (kh * group + g) * q_s1;
-        for (int64_t i = 0; i < d; ++i) qf[g * d + i] = load(src[i]) * scale;
-      }
-      scores.resize(group * count);
-      const int32_t* table = tables + r * table_stride;
-      // Keys a block at a time (its slots are consecutive): no division per key.
-      for (int64_t pos = first; pos < len;) {
-        const int64_t in_block = pos % block_size, run = std::min(block_size - in_block, len - pos);
-        const T* key = k_p + kh * k_s0 + (static_cast<int64_t>(table[pos / block_size]) * block_size + in_block) * k_s1;
-        for (int64_t t = 0; t < run; ++t, key += k_s1) {
-          for (int64_t i = 0; i < d; ++i) kf[i] = load(key[i]);
-          const int64_t j = pos - first + t;
-          for (int64_t g = 0; g < group; g += 4)  // up to four heads' dot products at once: independent sums
-            dots(qf.data() + g * d, std::min<int64_t>(4, group - g), kf.data(), d, scores.data() + g * count + j,
-                 count);
-        }
-        pos += run;
-      }
-      for (int64_t g = 0; g < group; ++g) {  // softmax in place
-        float* sg = scores.data() + g * count;
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < count; ++j) top = std::max(top, sg[j]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < count; ++j) {
-          sg[j] = fast_exp(sg[j] - top);
-          sum += sg[j];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t j = 0; j < count; ++j) sg[j] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t pos = first; pos < len;) {
-        const int64_t in_block = pos % block_size, run = std::min(block_size - in_block, len - pos);
-        const T* val = v_p + kh * v_s0 + (static_cast<int64_t>(table[pos / block_size]) * block_size + in_block) * v_s1;
-        for (int64_t t = 0; t < run; ++t, val += v_s1) {
-          for (int64_t i = 0; i < d; ++i) kf[i] = load(val[i]);
-          const int64_t j = pos - first + t;
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * count + j];
-            float* ag = acc.data() + g * d;
-#pragma omp simd
-            for (int64_t i = 0; i < d; ++i) ag[i] += p * kf[i];
-          }
-        }
-        pos += run;
-      }
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t i = 0; i < d; ++i) o[g * out.stride(1) + i] = store<T>(acc[g * d + i]);
+      const auto& query = queries[task / kvh];
+      const int64_t kh = task % kvh, row = query[0];
+      attend_group<T>(q_p + row * q.stride(0) + kh * group * q.stride(1), q.stride(1), k_p + kh * keys.stride(0),
+                      keys.stride(1), v_p + kh * values.stride(0), values.stride(1), tables + query[1] * table_stride,
+                      block_size, query[2], query[3], group, d, scale,
+                      o_p + row * out.stride(0) + kh * group * out.stride(1), out.stride(1), scratch);
     }
   });
+}
+
+void check_pool(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t block_size) {
+  check_rows(q, "q");
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && keys.sizes() == values.sizes(),
+              "q must be [N, H, D] and keys/values [KVH, slots, D] alike");
+  TORCH_CHECK(q.scalar_type() == keys.scalar_type() && q.scalar_type() == values.scalar_type(),
+              "q, keys and values must share a dtype");
+  TORCH_CHECK(keys.size(2) == q.size(2) && q.size(1) % keys.size(0) == 0,
+              "q's heads must be a multiple of the cache's KV heads of dim ", keys.size(2));
+  TORCH_CHECK(q.stride(2) == 1 && keys.stride(2) == 1 && values.stride(2) == 1, "head_dim must be contiguous");
+  TORCH_CHECK(block_size >= 1 && keys.size(1) % block_size == 0, "the pool is not whole blocks");
+}
+
+// Every block a row reads (its first `keys` positions) must be in the pool.
+void check_table(const int32_t* table, int64_t width, int64_t keys, int64_t block_size, int64_t pool_blocks,
+                 int64_t row) {
+  TORCH_CHECK(keys <= width * block_size, "row ", row, " has more keys than its block table holds");
+  for (int64_t i = 0; i < (keys + block_size - 1) / block_size; ++i)
+    TORCH_CHECK(table[i] >= 0 && table[i] < pool_blocks, "block ", table[i], " is not in the pool");
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
                                   double scale, int64_t window) {
-  check_rows(q, "q");
-  TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && keys.sizes() == values.sizes(),
-              "q must be [B, H, D] and keys/values [KVH, slots, D] alike");
-  TORCH_CHECK(q.scalar_type() == keys.scalar_type() && q.scalar_type() == values.scalar_type(),
-              "q, keys and values must share a dtype");
-  const int64_t b = q.size(0), h = q.size(1), d = q.size(2), kvh = keys.size(0);
-  TORCH_CHECK(keys.size(2) == d && h % kvh == 0, "q's heads must be a multiple of the cache's KV heads of dim ", d);
-  TORCH_CHECK(q.stride(2) == 1 && keys.stride(2) == 1 && values.stride(2) == 1, "head_dim must be contiguous");
-  TORCH_CHECK(block_size >= 1 && keys.size(1) % block_size == 0, "the pool is not whole blocks");
+  check_pool(q, keys, values, block_size);
+  const int64_t b = q.size(0);
   at::Tensor tables = block_tables.to(at::kInt).contiguous();
   at::Tensor lens = seq_lens.to(at::kInt).contiguous();
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == b && lens.numel() == b, "one block table and length per row");
   const int32_t* lp = lens.data_ptr<int32_t>();
   const int32_t* tp = tables.data_ptr<int32_t>();
   const int64_t width = tables.size(1), pool_blocks = keys.size(1) / block_size;
-  for (int64_t r = 0; r < b; ++r) {  // every block a row reads must be in the pool
-    TORCH_CHECK(lp[r] <= width * block_size, "row ", r, " has more keys than its block table holds");
-    for (int64_t i = 0; i < (lp[r] + block_size - 1) / block_size; ++i)
-      TORCH_CHECK(tp[r * width + i] >= 0 && tp[r * width + i] < pool_blocks, "block ", tp[r * width + i],
-                  " is not in the pool");
+  std::vector<std::array<int64_t, 4>> queries(b);
+  for (int64_t r = 0; r < b; ++r) {
+    check_table(tp + r * width, width, lp[r], block_size, pool_blocks, r);
+    const int64_t len = std::max<int64_t>(0, lp[r]);
+    queries[r] = {r, r, window > 0 ? std::max<int64_t>(0, len - window) : 0, len};
   }
-  at::Tensor out = at::empty({b, h, d}, q.options());
+  at::Tensor out = at::empty(q.sizes(), q.options());
   AT_DISPATCH_SWITCH(q.scalar_type(), "emberserve_decode_attention",
-    AT_DISPATCH_CASE(at::kFloat, [&] {
-      decode_rows<float>(q, keys, values, tp, width, lp, block_size, scale, window, out);
-    })
+    AT_DISPATCH_CASE(at::kFloat, [&] { attend_queries<float>(q, keys, values, tp, width, queries, block_size, scale, out); })
     AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      decode_rows<c10::BFloat16>(q, keys, values, tp, width, lp, block_size, scale, window, out);
+      attend_queries<c10::BFloat16>(q, keys, values, tp, width, queries, block_size, scale, out);
+    }));
+  return out;
+}
+
+// Chunks of several rows packed as q [T, H, D]: row r's queries are q[query_starts[r] : + query_lens[r]] at
+// positions seq_lens[r] - query_lens[r] ... seq_lens[r] - 1, each seeing its row's keys up to its own position
+// (the chunk's own keys already written), the last `window` of them with a window. Tokens of q no row claims
+// are left as they are in `out`. The CPU form of engine/paged_attention.py's paged_prefill_attention.
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                   const at::Tensor& query_lens, const at::Tensor& query_starts, int64_t block_size,
+                                   double scale, int64_t window, at::Tensor out) {
+  check_pool(q, keys, values, block_size);
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && out.stride(2) == 1,
+              "out must be like q");
+  at::Tensor tables = block_tables.to(at::kInt).contiguous();
+  at::Tensor lens = seq_lens.to(at::kInt).contiguous(), qlens = query_lens.to(at::kInt).contiguous();
+  at::Tensor starts = query_starts.to(at::kInt).contiguous();
+  const int64_t rows = tables.size(0);
+  TORCH_CHECK(tables.dim() == 2 && lens.numel() == rows && qlens.numel() == rows && starts.numel() == rows,
+              "one block table, length, query count and query start per row");
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int64_t width = tables.size(1), pool_blocks = keys.size(1) / block_size;
+  std::vector<std::array<int64_t, 4>> queries;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t len = lens.data_ptr<int32_t>()[r], n = qlens.data_ptr<int32_t>()[r];
+    const int64_t start = starts.data_ptr<int32_t>()[r];
+    TORCH_CHECK(n >= 0 && n <= len && start >= 0 && start + n <= q.size(0), "row ", r, "'s queries do not fit");
+    check_table(tp + r * width, width, len, block_size, pool_blocks, r);
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t end = len - n + t + 1;  // keys 0 .. the query's own position
+      queries.push_back({start + t, r, window > 0 ? std::max<int64_t>(0, end - window) : 0, end});
+    }
+  }
+  AT_DISPATCH_SWITCH(q.scalar_type(), "emberserve_prefill_attention",
+    AT_DISPATCH_CASE(at::kFloat, [&] { attend_queries<float>(q, keys, values, tp, width, queries, block_size, scale, out); })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      attend_queries<c10::BFloat16>(q, keys, values, tp, width, queries, block_size, scale, out);
     }));
   return out;
 }
@@ -489,6 +554,8 @@ TORCH_LIBRARY(emberserve, m) {
   m.def("gated_activation(Tensor gate_up, bool gelu) -> Tensor");
   m.def("paged_decode_attention(Tensor q, Tensor keys, Tensor values, Tensor block_tables, Tensor seq_lens, "
         "int block_size, float scale, int window) -> Tensor");
+  m.def("paged_prefill_attention(Tensor q, Tensor keys, Tensor values, Tensor block_tables, Tensor seq_lens, "
+        "Tensor query_lens, Tensor query_starts, int block_size, float scale, int window, Tensor(a!) out) -> Tensor(a!)");
 }
 
 TORCH_LIBRARY_IMPL(emberserve, CPU, m) {
@@ -497,4 +564,5 @@ TORCH_LIBRARY_IMPL(emberserve, CPU, m) {
   m.impl("rope_write_kv", &rope_write_kv);
   m.impl("gated_activation", &gated_activation);
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_prefill_attention", &paged_prefill_attention);
 }

@@ -73,9 +73,10 @@ class DecoderModel(nn.Module):
         # Unoptimized execution: the same speed here, without the profiling executor's re-optimizing runs (0.6-0.9 s
         # each) on the first calls of a scripted stack; nothing for an eager one.
         with torch.jit.optimized_execution(False):
-            # (paged batches call the Triton kernels, which only the eager stack can: GPU steps, or tests; CPU decode
-            # rows with block tables take the compiled CPU kernel, which the scripted stack calls)
-            scriptable = x.is_cpu and batch.paged_prefill is None and (batch.block_tables is None or CPU_PAGED_DECODE)
+            # (paged batches call the Triton kernels, which only the eager stack can: GPU steps, or tests; on CPU
+            # block tables go to the compiled CPU kernels, which the scripted stack calls)
+            paged = batch.block_tables is not None or batch.paged_prefill is not None
+            scriptable = x.is_cpu and (not paged or CPU_PAGED_DECODE)
             branch, residual = self.stack(scriptable)(x, batch, rope, cache.keys, cache.values)
         rows = batch.logit_index  # the last block's add, and the final norm, for the rows whose logits are returned
         x, _ = add_rms_norm(branch.index_select(0, rows), residual.index_select(0, rows), self.norm.weight,

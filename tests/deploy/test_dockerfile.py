@@ -346,6 +346,21 @@ def _build_env(step: Step, image: Image) -> dict[str, str]:
     return {**base, **step.build_args, **image.env(step.env)}
 
 
+def _seed_cpu_kernels(image: Image, image_env: dict[str, str]) -> None:
+    """The image's kernel cache holding this machine's build of the CPU kernels (what `make install` compiled): the
+    RUN line that builds them finds the library under the same name (same source, flags, torch and Python) instead
+    of compiling it again. Compiling itself is tested by the install, not here."""
+    from engine import cpu_kernels
+
+    cache = image_env.get("EMBERSERVE_KERNEL_CACHE")
+    assert cache, "the runtime's environment names the kernel cache the builder compiled into"
+    if cpu_kernels.available():
+        built = cpu_kernels.build()
+        seeded = Path(image.host(cache)) / built.name
+        seeded.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(built, seeded)
+
+
 @pytest.fixture(scope="session")
 def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Image]:
     """The default target built here: every RUN and COPY of the stages after `base`, in order. The 1.2 GB rootfs
@@ -356,6 +371,7 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Image]:
     workdirs = {s.workdir for s in stages} | {step.workdir for s in stages for step in s.steps}
     paths = sorted(({venv} | workdirs) - {"/"}, key=len, reverse=True)  # longest first: /src/x before /src
     image = Image(tmp / "rootfs", paths, tmp / "build.log")
+    _seed_cpu_kernels(image, stages[-1].env)
     rules = dockerignore_rules()
     for stage in stages:
         for step in stage.steps:

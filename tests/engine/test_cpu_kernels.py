@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from engine import cpu_kernels, fused_kernels
-from engine.paged_attention_torch import reference_decode
+from engine.paged_attention_torch import reference_decode, reference_prefill
 from fused_kernel_cases import FP16, VARIANTS, Case, build, check, copied, model_cases
-from paged_attention_cases import TOLERANCE, Spec
+from paged_attention_cases import OUT_FILL, TOLERANCE, Spec, claimed
 from paged_attention_cases import build as build_paged
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,6 +58,33 @@ def test_paged_decode_matches_the_reference(spec):
     assert err <= TOLERANCE[spec.dtype], f"{spec.name}: max abs error {err:.2e}"
     padding = args["seq_lens"] == 0
     assert torch.equal(got[padding], torch.zeros_like(got[padding]))
+
+
+PREFILL = [
+    Spec("fp32-fresh-chunk-single", lens=(40, 70, 30), query_lens=(40, 20, 1)),
+    Spec("fp32-window-bs8", lens=(90, 50), query_lens=(90, 30), block_size=8, window=20),
+    Spec("bf16-d128-shared", lens=(60, 35), query_lens=(25, 35), head_dim=128, dtype=BF16, shared_blocks=1),
+    Spec("bf16-d256-window-bs32", lens=(80,), query_lens=(80,), heads=4, kv_heads=1, head_dim=256, block_size=32,
+         dtype=BF16, window=32),
+    Spec("fp32-group3-gaps-empty-row", lens=(30, 20, 10), query_lens=(10, 0, 10), heads=6, kv_heads=2, gap=3),
+    Spec("bf16-smollm2-question-after-a-long-prefix", lens=(2060,), query_lens=(12,), heads=9, kv_heads=3,
+         dtype=BF16),
+]
+
+
+@pytest.mark.parametrize("spec", PREFILL, ids=[s.name for s in PREFILL])
+def test_paged_prefill_matches_the_reference(spec):
+    args = build_paged(spec, seed=sum(map(ord, spec.name)))
+    out = args.get("out", torch.full_like(args["q"], OUT_FILL))
+    got = torch.ops.emberserve.paged_prefill_attention(
+        args["q"], args["keys"], args["values"], args["block_tables"], args["seq_lens"], args["query_lens"],
+        args["query_starts"], args["block_size"], args["scale"], args["window"], out)
+    assert got.data_ptr() == out.data_ptr()
+    want = reference_prefill(**{k: v for k, v in args.items() if k != "out"})
+    mine = claimed(spec, got.shape[0])
+    assert torch.equal(got[~mine], torch.full_like(got[~mine], OUT_FILL))  # tokens no row claims are left alone
+    err = float((got[mine].double() - want[mine]).abs().max())
+    assert err <= TOLERANCE[spec.dtype], f"{spec.name}: max abs error {err:.2e}"
 
 
 def _decode_args(**change):
