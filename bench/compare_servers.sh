@@ -72,6 +72,7 @@ else
     --port 8001 --model_alias "$MODEL" >bench/out/llama.log 2>&1 &
 fi
 LLAMA=$!
+trap 'kill $(jobs -p) 2>/dev/null || true' EXIT  # no server outlives a failed run
 wait_ready http://127.0.0.1:8001/v1/models
 if [ -n "${ALTERNATE:-}" ]; then
   $PY -m server serve --model "$MODEL" --port 8002 --max-context 4096 --log-level warning \

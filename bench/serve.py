@@ -154,7 +154,8 @@ class Bench:
                 if resp.status_code == 200:
                     data = resp.json()
                     count = data.get("count") or len(data["tokens"])
-                    return len(sample) / count, f"{path} {next(iter(body.keys() - {'model'}))}"
+                    if count:  # llama-server answers a body it does not read with no tokens: try the next form
+                        return len(sample) / count, f"{path} {next(iter(body.keys() - {'model'}))}"
             except (httpx.HTTPError, ValueError, KeyError, TypeError):
                 pass
         return 4.0, "default (4 chars/token)"
