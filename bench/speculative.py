@@ -143,8 +143,8 @@ async def _scenario(base_url: str, model: str, prompt: str, concurrency: int, re
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     configs = dict(CONFIGS) | (DRAFT_PAIR if args.draft_pair else {})
-    if args.configs:
-        configs = {name: configs[name] for name in args.configs}
+    if args.configs:  # named ones, of either set
+        configs = {name: (CONFIGS | DRAFT_PAIR)[name] for name in args.configs}
     results: dict[str, dict[str, Any]] = {}
     for name, flags in configs.items():
         print(f"== {name}: {' '.join(flags) or '(defaults)'}", file=sys.stderr)
