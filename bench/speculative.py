@@ -150,12 +150,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"== {name}: {' '.join(flags) or '(defaults)'}", file=sys.stderr)
         proc, base_url = start_local_server("--model", args.model, *flags, *args.server_args)
         try:
+            served = httpx.get(f"{base_url}/v1/models").json()["data"][0]["id"]  # a path is served by its name
             for task, prompt in TASKS.items():
                 for concurrency in args.concurrency:
                     key = f"{task}/c{concurrency}"
                     requests = max(args.requests, concurrency)
                     results.setdefault(key, {})[name] = asyncio.run(
-                        _scenario(base_url, args.model, prompt, concurrency, requests, args.max_tokens))
+                        _scenario(base_url, served, prompt, concurrency, requests, args.max_tokens))
                     r = results[key][name]
                     print(f"   {key}: {r['tokens_per_s']} tok/s, acceptance {r['acceptance_rate']}", file=sys.stderr)
         finally:
