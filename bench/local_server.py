@@ -19,6 +19,8 @@ def start_local_server(*serve_args: str, timeout: float = 120) -> tuple[subproce
     base_url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if proc.poll() is not None:  # it refused its arguments or failed to load: say so now
+            raise RuntimeError(f"server exited with code {proc.returncode} before it was ready")
         try:
             if httpx.get(f"{base_url}/health").status_code == 200:
                 return proc, base_url
