@@ -25,6 +25,10 @@ from .block_manager import KVSequence
 # Rows from which a dense bfloat16 matmul beats the packed kernels on CPU (bench/matmul_formats.py): shorter chunks
 # are laid out right after the decode rows and take the packed kernels with them.
 DENSE_MIN_ROWS = 32
+# A chunk over cached blocks takes the compiled CPU attention kernel (keys read in place, one query at a time) while
+# its queries times keys are at most this; past it a gather and torch's fused attention win (a 12-token question
+# after a 2,048-token cached prefix: bench/RESULTS.md, issue 17). Decode rows always take the kernel.
+CPU_PAGED_MAX_CHUNK_WORK = 8192
 
 
 class StepRow(NamedTuple):
@@ -96,8 +100,8 @@ def build_batch(rows: list[StepRow], block_size: int, window: int | None, device
     """Lay out `rows` as one flat forward pass; `window` is the sliding-window size (None: no sliding layers);
     `paged`: attention over cached blocks through the paged kernels (block tables) rather than gathers, the tables
     `table_width` wide (the width CUDA-graph steps use: then every step launches the kernels compiled for those);
-    `paged_decode`: the decode rows and the short chunks over cached blocks through block tables, the longer chunks
-    through gathers (CPU: the compiled kernels, where a long chunk's gather feeds torch's fused attention)."""
+    `paged_decode`: the decode rows, and the chunks over cached blocks whose queries times keys are few
+    (CPU_PAGED_MAX_CHUNK_WORK), through block tables; longer chunks through gathers (CPU: the compiled kernels)."""
     decode_rows = [row for row in rows if row.end - row.start == 1]
     short_rows = [row for row in rows if 1 < row.end - row.start < DENSE_MIN_ROWS]
     prefill_rows = short_rows + [row for row in rows if row.end - row.start >= DENSE_MIN_ROWS]
@@ -145,8 +149,8 @@ def build_batch(rows: list[StepRow], block_size: int, window: int | None, device
     cached = []
     for row in prefill_rows:
         begin = begins[id(row)]
-        short = row.end - row.start < DENSE_MIN_ROWS
-        if row.start > 0 and (paged or (paged_decode and short)):  # over cached blocks: one paged prefill call
+        small = (row.end - row.start) * row.end <= CPU_PAGED_MAX_CHUNK_WORK
+        if row.start > 0 and (paged or (paged_decode and small)):  # over cached blocks: one paged prefill call
             cached.append((begin, row))
             continue
         p_begins.append(begin)
