@@ -60,14 +60,16 @@ def _decode(runner, tiny, lengths: list[int], steps: int, spacer: bool) -> torch
     return torch.stack(out)
 
 
-PAGED = [False, True] if CPU_PAGED_DECODE else [False]
+# Decode rows through block tables (the compiled CPU kernels, the default) in every format, and through the torch
+# paths (in place, gathered) in the serving format.
+PATHS = [(*f, True) for f in FORMATS] * CPU_PAGED_DECODE + [("bfloat16", "int4", False)] + \
+    [(*f, False) for f in FORMATS if f != ("bfloat16", "int4")] * (not CPU_PAGED_DECODE)
 
 
-@pytest.mark.parametrize("dtype,quant", FORMATS)
+@pytest.mark.parametrize("dtype,quant,paged", PATHS, ids=[f"{d}-{q}-{'paged' if p else 'torch'}" for d, q, p in PATHS])
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("lengths,spacer", [([20], False), ([16], True), ([5, 23, 11], False)],
                          ids=["one-row-in-place", "one-row-gathered", "three-rows"])
-@pytest.mark.parametrize("paged", PAGED, ids=lambda p: "paged" if p else "torch")
 def test_scripted_decode_equals_the_eager_modules(tiny_zoo, variant, dtype, quant, lengths, spacer, paged) -> None:
     tiny = tiny_zoo.model(variant)
     steps = 12  # gemma3's window is 8: every row decodes past it
