@@ -14,11 +14,14 @@ import torch
 from engine import cpu_kernels, fused_kernels
 from engine.paged_attention_torch import reference_decode, reference_prefill
 from fused_kernel_cases import FP16, VARIANTS, Case, build, check, copied, model_cases
+from paged_attention_cases import DECODE as DECODE_CASES
 from paged_attention_cases import OUT_FILL, TOLERANCE, Spec, claimed
+from paged_attention_cases import PREFILL as PREFILL_CASES
 from paged_attention_cases import build as build_paged
 
 ROOT = Path(__file__).resolve().parents[2]
 BF16 = torch.bfloat16
+OPTIONS = ("out", "segments", "max_query_len")  # the Triton kernels' launch options some shared problems carry
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
                                 reason=f"the CPU kernels did not build here: {cpu_kernels.why_not()}")
@@ -27,14 +30,9 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
 # threads), and the variants (CPU serves float32 and bfloat16, not float16).
 CASES = [c for c in model_cases((1, 3, 8, 64)) + model_cases((300,), models=("smollm2",)) + VARIANTS
          if c.dtype != FP16]
-DECODE = [
-    Spec("fp32-gqa4-padding", lens=(37, 0, 64, 5), heads=8, kv_heads=2),
-    Spec("fp32-window-bs8", lens=(100, 17, 0), block_size=8, window=24),
-    Spec("bf16-d128-shared", lens=(90, 33), heads=4, kv_heads=1, head_dim=128, dtype=BF16, shared_blocks=2),
-    Spec("bf16-d256-window-bs32", lens=(70, 0, 9), heads=4, kv_heads=1, head_dim=256, block_size=32, dtype=BF16,
-         window=16),
-    Spec("fp32-group3", lens=(40, 41), heads=6, kv_heads=2),
-    Spec("bf16-smollm2-long", lens=(1500, 3, 700), heads=9, kv_heads=3, dtype=BF16),  # split over threads
+# The shared problems CPU tensors can take (no float16 there), and longer ones, which the kernel splits over threads.
+DECODE = [s for s in DECODE_CASES if s.dtype != FP16] + [
+    Spec("bf16-smollm2-long", lens=(1500, 3, 700), heads=9, kv_heads=3, dtype=BF16),
     Spec("bf16-one-row", lens=(1,), heads=9, kv_heads=3, dtype=BF16),
 ]
 
@@ -52,7 +50,7 @@ def test_paged_decode_matches_the_reference(spec):
     got = torch.ops.emberserve.paged_decode_attention(args["q"], args["keys"], args["values"], args["block_tables"],
                                                       args["seq_lens"], args["block_size"], args["scale"],
                                                       args["window"])
-    want = reference_decode(**{k: v for k, v in args.items() if k != "out"})
+    want = reference_decode(**{k: v for k, v in args.items() if k not in OPTIONS})
     assert got.dtype == spec.dtype and got.shape == args["q"].shape
     err = float((got.double() - want).abs().max())
     assert err <= TOLERANCE[spec.dtype], f"{spec.name}: max abs error {err:.2e}"
@@ -60,13 +58,7 @@ def test_paged_decode_matches_the_reference(spec):
     assert torch.equal(got[padding], torch.zeros_like(got[padding]))
 
 
-PREFILL = [
-    Spec("fp32-fresh-chunk-single", lens=(40, 70, 30), query_lens=(40, 20, 1)),
-    Spec("fp32-window-bs8", lens=(90, 50), query_lens=(90, 30), block_size=8, window=20),
-    Spec("bf16-d128-shared", lens=(60, 35), query_lens=(25, 35), head_dim=128, dtype=BF16, shared_blocks=1),
-    Spec("bf16-d256-window-bs32", lens=(80,), query_lens=(80,), heads=4, kv_heads=1, head_dim=256, block_size=32,
-         dtype=BF16, window=32),
-    Spec("fp32-group3-gaps-empty-row", lens=(30, 20, 10), query_lens=(10, 0, 10), heads=6, kv_heads=2, gap=3),
+PREFILL = [s for s in PREFILL_CASES if s.dtype != FP16] + [
     Spec("bf16-smollm2-question-after-a-long-prefix", lens=(2060,), query_lens=(12,), heads=9, kv_heads=3,
          dtype=BF16),
 ]
@@ -80,7 +72,7 @@ def test_paged_prefill_matches_the_reference(spec):
         args["q"], args["keys"], args["values"], args["block_tables"], args["seq_lens"], args["query_lens"],
         args["query_starts"], args["block_size"], args["scale"], args["window"], out)
     assert got.data_ptr() == out.data_ptr()
-    want = reference_prefill(**{k: v for k, v in args.items() if k != "out"})
+    want = reference_prefill(**{k: v for k, v in args.items() if k not in OPTIONS})
     mine = claimed(spec, got.shape[0])
     assert torch.equal(got[~mine], torch.full_like(got[~mine], OUT_FILL))  # tokens no row claims are left alone
     err = float((got[mine].double() - want[mine]).abs().max())

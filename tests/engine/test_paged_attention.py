@@ -18,34 +18,9 @@ import torch.nn.functional as F
 
 from engine import paged_attention
 from engine.paged_attention_torch import reference_decode, reference_prefill
-from paged_attention_cases import OUT_FILL, TOLERANCE, Spec, build, claimed
+from paged_attention_cases import DECODE, OUT_FILL, PREFILL, TOLERANCE, Spec, build, claimed
 
 ROOT = Path(__file__).resolve().parents[2]
-BF16, FP16 = torch.bfloat16, torch.float16
-
-DECODE = [
-    Spec("fp32-gqa4-padding", lens=(37, 0, 64, 5), heads=8, kv_heads=2, options={"segments": 2}),
-    Spec("fp32-window-bs8-seg3", lens=(100, 17, 0), block_size=8, window=24, options={"segments": 3}),
-    Spec("bf16-d128-shared-seg8", lens=(90, 33), heads=4, kv_heads=1, head_dim=128, dtype=BF16, shared_blocks=2,
-         options={"segments": 8}),
-    Spec("bf16-d256-window-bs32", lens=(70, 0, 9), heads=4, kv_heads=1, head_dim=256, block_size=32, dtype=BF16,
-         window=16, with_out=True),
-    Spec("fp16-mha", lens=(50, 3), heads=4, kv_heads=4, dtype=FP16),
-    Spec("fp32-group3", lens=(40, 41), heads=6, kv_heads=2, options={"segments": 2}),
-    Spec("fp32-batch1-auto-segments", lens=(150,), heads=8, kv_heads=1, extra_width=4),
-    Spec("bf16-bs8-one-segment", lens=(1, 2, 65), block_size=8, dtype=BF16, options={"segments": 1}),
-    Spec("fp16-all-padding", lens=(0, 0), dtype=FP16, with_out=True),
-]
-PREFILL = [
-    Spec("fp32-fresh-chunk-single", lens=(40, 70, 30), query_lens=(40, 20, 1)),
-    Spec("fp32-window-bs8", lens=(90, 50), query_lens=(90, 30), block_size=8, window=20),
-    Spec("bf16-d128-shared", lens=(60, 35), query_lens=(25, 35), head_dim=128, dtype=BF16, shared_blocks=1),
-    Spec("bf16-d256-window-bs32", lens=(80,), query_lens=(80,), heads=4, kv_heads=1, head_dim=256, block_size=32,
-         dtype=BF16, window=32),
-    Spec("fp16-group3-gaps-empty-row", lens=(30, 20, 10), query_lens=(10, 0, 10), heads=6, kv_heads=2,
-         dtype=FP16, gap=3),
-    Spec("fp32-max-query-len", lens=(33, 40), query_lens=(5, 8), options={"max_query_len": 8}),
-]
 CASES = [(spec, "paged_decode_attention") for spec in DECODE] + [(spec, "paged_prefill_attention") for spec in PREFILL]
 
 # Calls the kernels on the saved problems; prints nothing, writes [(output, output is the given `out`)].
