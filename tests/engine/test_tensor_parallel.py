@@ -109,9 +109,10 @@ def test_int4_weights_split_into_the_same_weights(tiny_zoo) -> None:
 
 def test_a_model_that_does_not_split_is_refused_before_spawning(tiny_zoo) -> None:
     tiny = tiny_zoo.model("llama_tied")  # 4 heads, 2 KV heads, FFN 128
+    before = set(multiprocessing.active_children())  # (another test's child may still be on its way out)
     with pytest.raises(UnsupportedModelError, match="4 attention heads.*3 tensor-parallel ranks"):
         load_runner(str(tiny.safetensors_dir), dtype="float32", tensor_parallel_size=3)
-    assert multiprocessing.active_children() == []
+    assert set(multiprocessing.active_children()) <= before  # no rank was spawned
 
 
 # --- the pieces on their own ------------------------------------------------------------------------------------
