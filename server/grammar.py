@@ -92,16 +92,55 @@ def _llguidance_tokenizer(tok: Tokenizer) -> llguidance.LLTokenizer:
     """The vocabulary as llguidance sees it: each token's bytes, special tokens marked (a grammar's text never
     matches them), the end tokens as its EOS set."""
 
+    spelt = [tok.token_bytes(i) for i in range(tok.vocab_size)]
+    specials = set(tok.special_token_ids)
+    # the token of each single byte a vocabulary has (most byte-level ones all 256; SmolLM2's lacks a few)
+    byte_tokens: dict[int, int] = {}
+    for i, b in enumerate(spelt):
+        if len(b) == 1 and i not in specials:
+            byte_tokens.setdefault(b[0], i)
+
+    def spell(ids: list[int]) -> bytes:
+        return b"".join(spelt[i] for i in ids)
+
+    def encode(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False, parse_special=False)
+
+    def exact(data: bytes) -> list[int]:
+        """Token ids spelling exactly `data`, or as long a prefix of it as the vocabulary can spell: the tokenizer's
+        own encoding when it is exact; else character by character, a character the tokenizer mangles (or a byte
+        that is not UTF-8) in byte tokens, stopping before the first byte no token holds (SmolLM2's vocabulary
+        has no 0x04 or 0xF2, say, and its tokenizer silently drops them)."""
+        text = data.decode("utf-8", errors="surrogateescape")  # a byte that is not UTF-8 → U+DC80..U+DCFF
+        broken = any("\udc80" <= c <= "\udcff" for c in text)
+        if not broken:
+            ids = encode(text)
+            if spell(ids) == data:
+                return ids
+        ids = []
+        for char in text:
+            raw = bytes([ord(char) - 0xDC00]) if "\udc80" <= char <= "\udcff" else char.encode("utf-8")
+            own = [] if len(raw) == 1 and raw[0] >= 0x80 else encode(char)
+            if own and spell(own) == raw:
+                ids += own
+            elif all(b in byte_tokens for b in raw):
+                ids += [byte_tokens[b] for b in raw]
+            else:
+                break
+        return ids
+
     class Vocabulary:  # what llguidance.TokenizerWrapper reads
         eos_token_id = tok.eos_token_id if tok.eos_token_id is not None else min(tok.end_token_ids, default=0)
         bos_token_id = tok.bos_token_id
-        tokens = [tok.token_bytes(i) for i in range(tok.vocab_size)]
-        special_token_ids = sorted(tok.special_token_ids)
+        tokens = spelt
+        special_token_ids = sorted(specials)
 
         def __call__(self, text: str | bytes) -> list[int]:
-            if isinstance(text, bytes):
-                text = text.decode("utf-8", errors="replace")
-            return tok.encode(text, add_special_tokens=False, parse_special=False)
+            """Token ids whose bytes are exactly `text`'s (or its longest prefix the vocabulary can spell).
+            llguidance tokenizes the bytes a grammar forces, which may stop inside a character or hold bytes no
+            token has: tokens that spelt other bytes (U+FFFD's, or a character with a byte dropped) would let the
+            mask allow a token the grammar then refuses."""
+            return exact(text if isinstance(text, bytes) else text.encode("utf-8"))
 
     eos = sorted(tok.end_token_ids) or [Vocabulary.eos_token_id]
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Vocabulary()), n_vocab=tok.vocab_size, eos_token=eos)
