@@ -1,5 +1,6 @@
 """Varied JSON schemas (nested objects, arrays, enums, integer ranges, string patterns, optional fields) shared by
-tests/server/test_structured_outputs.py, tests/server/test_tool_calls.py and tests/e2e/test_function_calling.py."""
+tests/server/test_structured_outputs.py, tests/server/test_tool_calls.py and tests/e2e/test_function_calling.py;
+and the two tools (weather, time) the chat, Responses and Messages endpoint tests call."""
 from __future__ import annotations
 
 OBJ = {"type": "object", "additionalProperties": False}
@@ -59,3 +60,11 @@ SCHEMAS: list[dict] = [
     {"type": "string", "enum": ["yes", "no"]},
     {"type": "integer", "minimum": 100, "maximum": 200},
 ]
+
+# the endpoint tests' two tools: their parameters, by tool name
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"type": "string", "pattern": "^[A-Z][a-z]{1,10}/[A-Z][a-z]{1,10}$"}},
+        "required": ["zone"], "additionalProperties": False}
+TOOL_SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}

@@ -9,19 +9,14 @@ import jsonschema
 import openai
 import pytest
 from schema_cases import SCHEMAS as VARIED
+from schema_cases import TIME, TOOL_SCHEMAS, WEATHER
 
 
 MODEL = "smollm2-135m"
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
-           "required": ["city", "unit"], "additionalProperties": False}
-TIME = {"type": "object", "properties": {"zone": {"type": "string", "pattern": "^[A-Z][a-z]{1,10}/[A-Z][a-z]{1,10}$"}},
-        "required": ["zone"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
                                            "parameters": WEATHER}},
          {"type": "function", "function": {"name": "get_time", "description": "Local time in a zone",
                                            "parameters": TIME}}]
-SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -29,7 +24,7 @@ def _check_calls(message) -> None:
     assert message.tool_calls
     for call in message.tool_calls:
         assert call.type == "function" and call.id.startswith("call_")
-        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        jsonschema.validate(json.loads(call.function.arguments), TOOL_SCHEMAS[call.function.name])
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])

@@ -14,6 +14,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from schema_cases import TIME, TOOL_SCHEMAS, WEATHER
 
 MODEL = "smollm2-135m"
 SYSTEM = "Answer briefly."
@@ -176,12 +177,6 @@ def test_the_anthropic_client_raises_its_own_errors_and_other_routes_keep_openai
 
 # ---- tools: chat's own machinery, so greedy calls are chat's ----
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
-           "required": ["city", "unit"], "additionalProperties": False}
-TIME = {"type": "object", "properties": {"zone": {"type": "string", "pattern": "^[A-Z][a-z]{1,10}/[A-Z][a-z]{1,10}$"}},
-        "required": ["zone"], "additionalProperties": False}
-SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 TOOLS = [{"name": "get_weather", "description": "Current weather in a city", "input_schema": WEATHER},
          {"name": "get_time", "description": "Local time in a zone", "input_schema": TIME}]
 CHAT_TOOLS = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
@@ -193,7 +188,7 @@ def tool_uses(m: anthropic.types.Message) -> list[Any]:
     uses = [b for b in m.content if b.type == "tool_use"]
     for use in uses:
         assert use.id.startswith("toolu_")
-        jsonschema.validate(use.input, SCHEMAS[use.name])
+        jsonschema.validate(use.input, TOOL_SCHEMAS[use.name])
     return uses
 
 

@@ -16,6 +16,7 @@ import jsonschema
 import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
+from schema_cases import TIME, TOOL_SCHEMAS, WEATHER
 
 MODEL = "smollm2-135m"
 BLOCK = 16  # the KV cache's block size: the prefix cache serves whole blocks
@@ -227,12 +228,6 @@ def test_a_text_format_of_text_is_accepted(client: openai.OpenAI) -> None:
 
 # ---- tools and structured formats: chat's own machinery, so greedy answers are chat's ----
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
-           "required": ["city", "unit"], "additionalProperties": False}
-TIME = {"type": "object", "properties": {"zone": {"type": "string", "pattern": "^[A-Z][a-z]{1,10}/[A-Z][a-z]{1,10}$"}},
-        "required": ["zone"], "additionalProperties": False}
-SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Current weather in a city", "parameters": WEATHER},
          {"type": "function", "name": "get_time", "description": "Local time in a zone", "parameters": TIME}]
 CHAT_TOOLS = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in TOOLS]
@@ -247,7 +242,7 @@ def calls_of(r: Response) -> list[Any]:
     calls = [item for item in r.output if item.type == "function_call"]
     for call in calls:
         assert call.id.startswith("fc_") and call.call_id.startswith("call_") and call.status == "completed"
-        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+        jsonschema.validate(json.loads(call.arguments), TOOL_SCHEMAS[call.name])
     return calls
 
 
@@ -309,7 +304,7 @@ def test_streamed_argument_deltas_concatenate_to_the_final_arguments(client: ope
         deltas = "".join(d["delta"] for d in mine if d["type"] == "response.function_call_arguments.delta")
         done = next(d for d in mine if d["type"] == "response.function_call_arguments.done")
         assert deltas == done["arguments"] == call["arguments"] and done["item_id"] == call["id"]
-        jsonschema.validate(json.loads(deltas), SCHEMAS[call["name"]])
+        jsonschema.validate(json.loads(deltas), TOOL_SCHEMAS[call["name"]])
     whole = client.responses.create(**body)  # unstreamed: the same calls (ids aside)
     assert [(c.name, c.arguments) for c in calls_of(whole)] == [(c["name"], c["arguments"]) for c in calls]
 
