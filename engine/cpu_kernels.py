@@ -3,8 +3,8 @@
 The library is compiled with the system's C++ compiler against the installed torch (torch's own headers and
 libraries, as torch.utils.cpp_extension does, without needing ninja) into a cache directory, under a name that
 hashes the source, the flags and torch's version: a new source or another torch builds afresh, and a cached build
-loads in milliseconds. `make install` builds it (`python -m engine.cpu_kernels`), so a server never compiles on
-its first request; a fresh environment that skipped that builds it on first import (seconds).
+loads in milliseconds. `make install` builds it (`cpu_kernels.build()`), so a server never compiles on its first
+request; a fresh environment that skipped that builds it on first import (seconds).
 
 Without a compiler (or when the build fails) every op is still defined, with the torch ops of
 engine/fused_kernels_torch.py as its implementation, so the scripted decoder stack compiles the same either way;
@@ -121,8 +121,9 @@ def _define_fallbacks() -> None:
     _state["fallback_library"] = lib  # the registrations live as long as the Library object
 
 
-def load() -> bool:
-    """Load (building it if needed) the compiled library once; whether its kernels serve. Idempotent."""
+def available() -> bool:
+    """Whether the compiled kernels serve (False: the torch fallbacks; see `why_not`). The first call loads the
+    library, building it if needed, or defines the fallbacks."""
     if _state["loaded"] is not None:
         return bool(_state["loaded"])
     loaded = False
@@ -141,15 +142,5 @@ def load() -> bool:
     return loaded
 
 
-def available() -> bool:
-    """Whether the compiled kernels serve (False: the torch fallbacks; see `why_not`)."""
-    return load()
-
-
 def why_not() -> str:
     return str(_state["why"])
-
-
-if __name__ == "__main__":  # `python -m engine.cpu_kernels`: build (or find) the library, as `make install` does
-    logging.basicConfig(level=logging.INFO)
-    print(build())

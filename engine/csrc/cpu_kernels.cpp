@@ -75,19 +75,19 @@ inline int64_t grain(int64_t tasks, int64_t work_per_task) {
   return tasks * work_per_task < kParallelWork ? tasks : std::max<int64_t>(1, kParallelWork / std::max<int64_t>(1, work_per_task));
 }
 
-template <typename T, typename W>
-inline void norm_row(const float* x, int64_t d, const W* w, float eps, T* out) {
+template <typename T>
+inline void norm_row(const float* x, int64_t d, const float* w, float eps, T* out) {
   float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
   for (int64_t i = 0; i < d; ++i) ss += x[i] * x[i];
   const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
-  for (int64_t i = 0; i < d; ++i) out[i] = store<T>(x[i] * inv * load(w[i]));
+  for (int64_t i = 0; i < d; ++i) out[i] = store<T>(x[i] * inv * w[i]);
 }
 
 // summed = x + residual (rounded to T); normed = rms_norm(summed) * w. residual may be null (summed is x).
 // With branch_w: summed = residual + rms_norm(x) * branch_w (rounded), gemma3's post-norm then add.
-template <typename T, typename W>
-void add_norm_rows(const T* x, const T* residual, const W* branch_w, const W* w, float eps, T* normed, T* summed,
+template <typename T>
+void add_norm_rows(const T* x, const T* residual, const float* branch_w, const float* w, float eps, T* normed, T* summed,
                    int64_t rows, int64_t d) {
   at::parallel_for(0, rows, grain(rows, d), [&](int64_t begin, int64_t end) {
     std::vector<float> buf(d);
@@ -96,7 +96,7 @@ void add_norm_rows(const T* x, const T* residual, const W* branch_w, const W* w,
       const T* xr = x + r * d;
       if (branch_w) {
         for (int64_t i = 0; i < d; ++i) buf[i] = load(xr[i]);
-        norm_row<T, W>(buf.data(), d, branch_w, eps, branch.data());
+        norm_row<T>(buf.data(), d, branch_w, eps, branch.data());
         xr = branch.data();
       }
       if (residual) {
@@ -109,7 +109,7 @@ void add_norm_rows(const T* x, const T* residual, const W* branch_w, const W* w,
       } else {
         for (int64_t i = 0; i < d; ++i) buf[i] = load(xr[i]);
       }
-      norm_row<T, W>(buf.data(), d, w, eps, normed + r * d);
+      norm_row<T>(buf.data(), d, w, eps, normed + r * d);
     }
   });
 }
@@ -141,34 +141,22 @@ std::tuple<at::Tensor, at::Tensor> norms(const at::Tensor& x_in, const c10::opti
   at::Tensor normed = at::empty_like(x);
   at::Tensor summed = residual.defined() ? at::empty_like(x) : x;
   const int64_t rows = d ? x.numel() / d : 0;
-  at::Tensor w = weight.contiguous();
-  at::Tensor bw = branch_weight.has_value() ? branch_weight->contiguous() : at::Tensor();
-  if (bw.defined()) {
-    check_weight(bw, d, "branch_weight");
-    TORCH_CHECK(bw.scalar_type() == w.scalar_type(), "branch_weight and weight must share a dtype");
-  }
+  TORCH_CHECK(!branch_weight.has_value() || branch_weight->scalar_type() == weight.scalar_type(),
+              "branch_weight and weight must share a dtype");
+  // the weights in float32 (RMSNorm's own table already is; a bfloat16 weight converts exactly)
+  at::Tensor w = weight.to(at::kFloat).contiguous();
+  at::Tensor bw = branch_weight.has_value() ? branch_weight->to(at::kFloat).contiguous() : at::Tensor();
+  if (bw.defined()) check_weight(bw, d, "branch_weight");
+  const float* bw_p = bw.defined() ? bw.data_ptr<float>() : nullptr;
   AT_DISPATCH_SWITCH(x.scalar_type(), "emberserve_norms",
     AT_DISPATCH_CASE(at::kFloat, [&] {
-      if (w.scalar_type() == at::kFloat)
-        add_norm_rows<float, float>(x.data_ptr<float>(), residual.defined() ? residual.data_ptr<float>() : nullptr,
-                                    bw.defined() ? bw.data_ptr<float>() : nullptr, w.data_ptr<float>(), eps,
-                                    normed.data_ptr<float>(), summed.data_ptr<float>(), rows, d);
-      else
-        add_norm_rows<float, c10::BFloat16>(x.data_ptr<float>(), residual.defined() ? residual.data_ptr<float>() : nullptr,
-                                            bw.defined() ? bw.data_ptr<c10::BFloat16>() : nullptr,
-                                            w.data_ptr<c10::BFloat16>(), eps, normed.data_ptr<float>(),
-                                            summed.data_ptr<float>(), rows, d);
+      add_norm_rows<float>(x.data_ptr<float>(), residual.defined() ? residual.data_ptr<float>() : nullptr, bw_p,
+                           w.data_ptr<float>(), eps, normed.data_ptr<float>(), summed.data_ptr<float>(), rows, d);
     })
     AT_DISPATCH_CASE(at::kBFloat16, [&] {
       using T = c10::BFloat16;
-      if (w.scalar_type() == at::kFloat)
-        add_norm_rows<T, float>(x.data_ptr<T>(), residual.defined() ? residual.data_ptr<T>() : nullptr,
-                                bw.defined() ? bw.data_ptr<float>() : nullptr, w.data_ptr<float>(), eps,
-                                normed.data_ptr<T>(), summed.data_ptr<T>(), rows, d);
-      else
-        add_norm_rows<T, T>(x.data_ptr<T>(), residual.defined() ? residual.data_ptr<T>() : nullptr,
-                            bw.defined() ? bw.data_ptr<T>() : nullptr, w.data_ptr<T>(), eps, normed.data_ptr<T>(),
-                            summed.data_ptr<T>(), rows, d);
+      add_norm_rows<T>(x.data_ptr<T>(), residual.defined() ? residual.data_ptr<T>() : nullptr, bw_p,
+                       w.data_ptr<float>(), eps, normed.data_ptr<T>(), summed.data_ptr<T>(), rows, d);
     }));
   return {normed, summed};
 }
