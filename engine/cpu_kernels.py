@@ -28,7 +28,8 @@ import torch
 
 log = logging.getLogger("emberserve.engine")
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+# The elementwise/attention kernels and the integer-dot-product matmuls (engine/quant_dot.py), one library.
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("cpu_kernels.cpp", "int8_dot.cpp"))
 _state: dict[str, object] = {"loaded": None, "why": ""}
 
 
@@ -56,7 +57,7 @@ def _flags() -> list[str]:
 
 
 def _library_path() -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_flags()).encode() + torch.__version__.encode()
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(_flags()).encode() + torch.__version__.encode()
                          + sys.version.encode()).hexdigest()[:16]
     root = Path(os.environ.get("EMBERSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "emberserve")
     return root / f"cpu_kernels-{key}.so"
@@ -77,10 +78,10 @@ def build(path: Path | None = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # built aside, moved in whole: no half-written file
         out = Path(tmp) / path.name
-        cmd = [compiler, *_flags(), *includes, str(SOURCE), "-o", str(out), *libs, "-lc10", "-ltorch_cpu"]
+        cmd = [compiler, *_flags(), *includes, *map(str, SOURCES), "-o", str(out), *libs, "-lc10", "-ltorch_cpu"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"building {SOURCE.name} failed:\n{done.stderr[-4000:]}")
+            raise RuntimeError(f"building {', '.join(s.name for s in SOURCES)} failed:\n{done.stderr[-4000:]}")
         os.replace(out, path)
     return path
 

@@ -22,6 +22,7 @@ from .parallel.ranks import RankGroup, RankProcesses, launch_ranks
 from .parallel.sharding import Shard, check_shardable, resize_modules, shard_of, shard_state
 from .pooling import sentence_transformers_pooling
 from .quant import QUANT_MODES, Affine4Bit, Int8Embedding, Int8Linear, quantize_int8, quantized_linear
+from .quant_dot import Int8DotEmbedding, Int8DotLinear
 from .registry import KNOWN_MODELS
 from .runner import Runner
 from .tokenizer import Tokenizer
@@ -112,6 +113,8 @@ def _quantize_modules(model: DecoderModel, state: dict[str, Any], quant: str, dt
     head = model.lm_head
     if tied_embedding and isinstance(head, Int8Linear):  # one int8 table serves the lookup and the output matmul
         model.embed_tokens = Int8Embedding.sharing(head, dtype)
+    elif tied_embedding and isinstance(head, Int8DotLinear):
+        model.embed_tokens = Int8DotEmbedding(head, dtype)
     else:
         dense = embedding.dequantize() if isinstance(embedding, Affine4Bit) else embedding
         model.embed_tokens = Int8Embedding(*quantize_int8(dense), dtype)

@@ -183,11 +183,17 @@ def quantized_linear(weight: torch.Tensor | Affine4Bit, bias: torch.Tensor | Non
                      dtype: torch.dtype, keep_dense: bool = False) -> PackedLinear:
     """The module replacing an nn.Linear in `mode` ("int8" or "int4"), with a dense copy for big calls if asked.
 
+    A bfloat16 model on a CPU with AVX-512 VNNI gets the integer-dot-product forms of engine/quant_dot.py.
     int4 keeps 4-bit sources exact and quantizes float sources; a GGUF tensor stored with more bits (Q5, Q6_K,
     Q8_0) is passed in dequantized with `mode` "int8" by the loader, so its precision is not thrown away.
     """
+    from . import quant_dot  # it builds on this module's formats
+
+    dot = quant_dot.dot_kernels_serve(dtype)
     if mode == "int4" and int4_supported(weight.shape):
-        return Int4Linear(weight if isinstance(weight, Affine4Bit) else quantize_4bit(weight), bias, dtype,
-                          keep_dense)
+        four_bit = weight if isinstance(weight, Affine4Bit) else quantize_4bit(weight)
+        return (quant_dot.Int4DotLinear if dot else Int4Linear)(four_bit, bias, dtype, keep_dense)
     dense = weight.dequantize() if isinstance(weight, Affine4Bit) else weight
+    if dot and int4_supported(dense.shape):  # the kernel's blocks of 32 inputs, as int4's groups
+        return quant_dot.Int8DotLinear(*quantize_int8(dense), bias, dtype, keep_dense)
     return Int8Linear(*quantize_int8(dense), bias, dtype, keep_dense)

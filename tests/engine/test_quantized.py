@@ -26,20 +26,24 @@ from engine.batch import DENSE_MIN_ROWS
 from engine.layers import dense_matmul
 from engine.quant import (GROUP_SIZE, Affine4Bit, Int4Linear, Int8Embedding, Int8Linear, quantize_4bit, quantize_int8,
                           quantized_linear)
+from engine.quant_dot import Int4DotLinear
 from engine.registry import KNOWN_MODELS
 from engine.weights.dequant import affine_4bit, dequantize
 from engine.weights.gguf_format import GGUFFile
 from tiny_models import VARIANTS, prompt_ids, write_gguf
 
 DATA = Path(__file__).resolve().parents[1] / "data"
+INT4_LINEARS = (Int4Linear, Int4DotLinear)  # torch's kernel's layout, and the dot-product kernel's (bfloat16 + VNNI)
 
 # Quality bounds (measured values in bench/RESULTS.md, `python bench/quality.py`): the fraction of positions
-# whose argmax equals float32's, and the perplexity relative to float32's on the same texts.
+# whose argmax equals float32's, and the perplexity relative to float32's on the same texts, through the packed
+# kernels (what decode runs). Activations rounded to int8 (engine/quant_dot.py, as llama.cpp) cost 0.5-1.5 points
+# of agreement against torch's kernels.
 QUALITY_BOUNDS = {  # (model, quant): (min top-1 agreement, max perplexity ratio)
-    ("smollm2-135m", "int4"): (0.94, 1.03),   # measured 0.968, 1.008
-    ("smollm2-135m", "int8"): (0.93, 1.03),   # measured 0.952, 1.011
-    ("gemma3-270m", "int4"): (0.93, 1.03),    # measured 0.956, 0.990
-    ("gemma3-270m", "int8"): (0.92, 1.03),    # measured 0.946, 0.988
+    ("smollm2-135m", "int4"): (0.94, 1.03),
+    ("smollm2-135m", "int8"): (0.92, 1.03),
+    ("gemma3-270m", "int4"): (0.93, 1.03),
+    ("gemma3-270m", "int8"): (0.92, 1.03),
 }
 
 
@@ -211,7 +215,7 @@ def test_a_short_chunk_gets_the_same_logits_beside_other_rows(tiny_zoo, variant)
 
 def test_int4_falls_back_to_int8_when_groups_do_not_divide_the_input() -> None:
     assert isinstance(quantized_linear(torch.randn(32, 48), None, "int4", torch.bfloat16), Int8Linear)
-    assert isinstance(quantized_linear(torch.randn(32, 64), None, "int4", torch.bfloat16), Int4Linear)
+    assert isinstance(quantized_linear(torch.randn(32, 64), None, "int4", torch.bfloat16), INT4_LINEARS)
 
 
 @pytest.mark.parametrize("asked,dtype,source_quantized,expected", [
@@ -278,7 +282,9 @@ def _quality_texts(runner) -> list[list[int]]:
 @pytest.mark.parametrize("model,quant", list(QUALITY_BOUNDS))
 def test_quality_guard(request, model: str, quant: str) -> None:
     reference = request.getfixturevalue("smollm" if model.startswith("smollm") else "gemma")  # float32
-    candidate = load_runner(model, quant=quant)
+    # Without dense copies every position runs the packed kernels a decode step runs (activations rounded to 8 bits
+    # where engine/quant_dot.py serves), the lossier of the two paths; the dense copies are bfloat16 matmuls.
+    candidate = load_runner(model, quant=quant, dense_prefill=False)
     assert candidate.dtype == torch.bfloat16
     agreement = compare(candidate, reference, _quality_texts(reference))
     min_agreement, max_ratio = QUALITY_BOUNDS[(model, quant)]

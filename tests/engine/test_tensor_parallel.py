@@ -21,6 +21,7 @@ from engine.errors import UnsupportedModelError
 from engine.parallel.messages import MODE_HIDDEN, MODE_STOP, StepMessage, decode_step, encode_step
 from engine.parallel.sharding import check_shardable, shard_of
 from engine.quant import Int4Linear
+from engine.quant_dot import Int4DotLinear
 from tiny_models import prompt_ids
 
 TP = 2
@@ -96,8 +97,8 @@ def test_int4_weights_split_into_the_same_weights(tiny_zoo) -> None:
     try:
         for runner in (single, split):  # packed 4-bit shares (the row-parallel one inside its wrapper)
             attn = runner.model.layers[0].self_attn
-            assert isinstance(attn.qkv_proj, Int4Linear)
-            assert isinstance(getattr(attn.o_proj, "inner", attn.o_proj), Int4Linear)
+            assert isinstance(attn.qkv_proj, (Int4Linear, Int4DotLinear))
+            assert isinstance(getattr(attn.o_proj, "inner", attn.o_proj), (Int4Linear, Int4DotLinear))
         got = _scenario(split, tiny)
     finally:
         split.close()
