@@ -51,7 +51,9 @@ def _arch_flags() -> list[str]:
 
 def _flags() -> list[str]:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp-simd", "-fno-trapping-math", "-fno-math-errno",
+    # -fopenmp: at::parallel_for is an inline OpenMP region; without it every kernel ran on one thread. The library
+    # then needs libgomp.so.1, which the dynamic linker finds already loaded with torch (the runtime torch uses).
+    return ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-fno-trapping-math", "-fno-math-errno",
             f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             "-DTORCH_API_INCLUDE_EXTENSION_H", *_arch_flags()]
 

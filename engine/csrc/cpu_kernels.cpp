@@ -21,6 +21,10 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -358,6 +362,64 @@ struct Scratch {
   std::vector<float> q, acc, k, scores;
 };
 
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+#endif
+
+// scores[g * stride] = q_g . key for the `group` float query rows q [group, d]; `k` is scratch for the key in float.
+template <typename T>
+inline void score_key(const float* q, int64_t group, const T* key, int64_t d, float* k, float* scores,
+                      int64_t stride) {
+#if defined(__AVX512F__)
+  if (d % 16 == 0 && d <= 256) {  // the key held in registers, one vector sum per head
+    __m512 kv[16];
+    const int64_t chunks = d / 16;
+    for (int64_t c = 0; c < chunks; ++c) kv[c] = load16(key + 16 * c);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * d;
+      __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
+      for (int64_t c = 1; c < chunks; ++c) sum = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kv[c], sum);
+      scores[g * stride] = _mm512_reduce_add_ps(sum);
+    }
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < d; ++i) k[i] = load(key[i]);
+  for (int64_t g = 0; g < group; g += 4)  // up to four heads' dot products at once: independent sums
+    dots(q + g * d, std::min<int64_t>(4, group - g), k, d, scores + g * stride, stride);
+}
+
+// acc[g] += p[g * stride] * value for the `group` float accumulators acc [group, d].
+template <typename T>
+inline void add_value(const float* p, int64_t stride, int64_t group, const T* value, int64_t d, float* v,
+                      float* acc) {
+#if defined(__AVX512F__)
+  if (d % 16 == 0 && d <= 256) {
+    __m512 vv[16];
+    const int64_t chunks = d / 16;
+    for (int64_t c = 0; c < chunks; ++c) vv[c] = load16(value + 16 * c);
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 w = _mm512_set1_ps(p[g * stride]);
+      float* ag = acc + g * d;
+      for (int64_t c = 0; c < chunks; ++c)
+        _mm512_storeu_ps(ag + 16 * c, _mm512_fmadd_ps(w, vv[c], _mm512_loadu_ps(ag + 16 * c)));
+    }
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < d; ++i) v[i] = load(value[i]);
+  for (int64_t g = 0; g < group; ++g) {
+    const float w = p[g * stride];
+    float* ag = acc + g * d;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) ag[i] += w * v[i];
+  }
+}
+
 // The `group` query heads q (head stride q_hs) sharing one KV head, for one query that sees the keys at positions
 // [first, len) of its row (block `table`; k / v: that KV head's slots, slot stride k_s / v_s) → o (head stride o_hs).
 // Scores, softmax and the weighted sum in float32; the keys and values read in place, a block's run at a time.
@@ -379,13 +441,8 @@ void attend_group(const T* q, int64_t q_hs, const T* k, int64_t k_s, const T* v,
   for (int64_t pos = first; pos < len;) {  // a block's slots are consecutive: no division per key
     const int64_t in_block = pos % block_size, run = std::min(block_size - in_block, len - pos);
     const T* key = k + (static_cast<int64_t>(table[pos / block_size]) * block_size + in_block) * k_s;
-    for (int64_t t = 0; t < run; ++t, key += k_s) {
-      for (int64_t i = 0; i < d; ++i) s.k[i] = load(key[i]);
-      const int64_t j = pos - first + t;
-      for (int64_t g = 0; g < group; g += 4)  // up to four heads' dot products at once: independent sums
-        dots(s.q.data() + g * d, std::min<int64_t>(4, group - g), s.k.data(), d, s.scores.data() + g * count + j,
-             count);
-    }
+    for (int64_t t = 0; t < run; ++t, key += k_s)
+      score_key(s.q.data(), group, key, d, s.k.data(), s.scores.data() + pos - first + t, count);
     pos += run;
   }
   for (int64_t g = 0; g < group; ++g) {  // softmax in place
@@ -404,16 +461,8 @@ void attend_group(const T* q, int64_t q_hs, const T* k, int64_t k_s, const T* v,
   for (int64_t pos = first; pos < len;) {
     const int64_t in_block = pos % block_size, run = std::min(block_size - in_block, len - pos);
     const T* val = v + (static_cast<int64_t>(table[pos / block_size]) * block_size + in_block) * v_s;
-    for (int64_t t = 0; t < run; ++t, val += v_s) {
-      for (int64_t i = 0; i < d; ++i) s.k[i] = load(val[i]);
-      const int64_t j = pos - first + t;
-      for (int64_t g = 0; g < group; ++g) {
-        const float p = s.scores[g * count + j];
-        float* ag = s.acc.data() + g * d;
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) ag[i] += p * s.k[i];
-      }
-    }
+    for (int64_t t = 0; t < run; ++t, val += v_s)
+      add_value(s.scores.data() + pos - first + t, count, group, val, d, s.k.data(), s.acc.data());
     pos += run;
   }
   for (int64_t g = 0; g < group; ++g)
