@@ -22,7 +22,7 @@ from .parallel.ranks import RankGroup, RankProcesses, launch_ranks
 from .parallel.sharding import Shard, check_shardable, resize_modules, shard_of, shard_state
 from .pooling import sentence_transformers_pooling
 from .quant import QUANT_MODES, Affine4Bit, Int8Embedding, Int8Linear, quantize_int8, quantized_linear
-from .quant_dot import Int8DotEmbedding, Int8DotLinear
+from .quant_dot import Int8DotEmbedding, Int8DotLinear, dense_copies_pay
 from .registry import KNOWN_MODELS
 from .runner import Runner
 from .tokenizer import Tokenizer
@@ -224,21 +224,29 @@ class LoadOptions:
     kv_cache_memory: int | None = None
     prefix_caching: bool = True
     quant: str | None = None
-    dense_prefill: bool = True
+    dense_prefill: bool | None = None  # None: where it pays (quant_dot.dense_copies_pay)
     deterministic: bool = False
+
+
+def _dense_prefill(options: LoadOptions, dtype: torch.dtype) -> bool:
+    """Whether packed layers keep their bfloat16 copy: as asked, else where it pays; never when deterministic."""
+    if options.deterministic:
+        return False
+    return dense_copies_pay(dtype) if options.dense_prefill is None else options.dense_prefill
 
 
 def load_runner(source: str | os.PathLike[str], device: str | torch.device = "cpu",
                 dtype: str | torch.dtype | None = None, max_context: int | None = None,
                 kv_cache_memory: int | None = None, prefix_caching: bool = True,
-                quant: str | None = None, progress: Progress = no_progress, dense_prefill: bool = True,
+                quant: str | None = None, progress: Progress = no_progress, dense_prefill: bool | None = None,
                 deterministic: bool = False, tensor_parallel_size: int = 1) -> Runner:
     """A ready Runner for a known model name, a .gguf file, or a safetensors directory.
 
     `kv_cache_memory` (bytes) sizes the paged KV pool; `prefix_caching` lets prompts reuse cached prefixes;
     `quant` ("none", "int8", "int4"; default per device and source, see `resolve_quant`) keeps weights compressed;
     `progress(stage, done, total)` is told as tensors are read and packed; `dense_prefill` keeps a bfloat16 copy
-    of quantized layer weights for calls of many rows (prefill), twice as fast there for 2 bytes per weight more;
+    of quantized layer weights for calls of many rows (prefill), for 2 bytes per weight more (None: where that is
+    faster than the packed kernels, `quant_dot.dense_copies_pay`);
     `deterministic` sends every token through the same kernels (CPU only), so that logits do not depend on
     chunking, batching or the prefix cache (no dense copy is kept then: it would never be used).
     `tensor_parallel_size` N > 1 splits every layer over N processes (engine/parallel/): this one is rank 0 and
@@ -311,7 +319,7 @@ def build_runner(options: LoadOptions, progress: Progress = no_progress, rank: R
         tokenizer.set_chat_template(known.chat_template)
     shard = shard_of(cfg, rank.rank, rank.size) if rank is not None else None
     model = _materialise(cfg, state, device, dtype, quant, requantize_floats=path.is_dir(), source=str(path),
-                        progress=progress, dense_prefill=options.dense_prefill and not options.deterministic,
+                        progress=progress, dense_prefill=_dense_prefill(options, dtype),
                         shard=shard)
     _rebuild_buffers(model, device, freq_factors)
     kv_heads = cfg.num_kv_heads if shard is None else shard.num_kv_heads

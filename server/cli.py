@@ -5,7 +5,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal, Optional, get_args, get_origin
 
 import uvicorn
 from pydantic import ValidationError
@@ -40,7 +40,7 @@ def _settings_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per Settings field; a flag left out leaves the environment variable or the default in force."""
     for name, info in Settings.model_fields.items():
         help_text = f"{info.description} [env {env_name(name)}]".replace("%", "%%")
-        if info.annotation is bool:
+        if info.annotation in (bool, Optional[bool]):
             parser.add_argument(flag_name(name), dest=name, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_text)
         else:

@@ -70,9 +70,10 @@ class Settings(BaseSettings):
                           "8192 on a GPU or for an encoder model, which has no decoding to keep flowing)")
     cuda_graphs: bool = Field(
         True, description="on a GPU, run decode steps as CUDA graphs captured at start-up per batch-size bucket")
-    dense_prefill: bool = Field(
-        True, description="with int4/int8 weights, also keep a bfloat16 copy of the layer weights for prompts: "
-                          "prefill about 1.7x faster for 2 bytes per weight more memory")
+    dense_prefill: bool | None = Field(
+        None, description="with int4/int8 weights, also keep a bfloat16 copy of the layer weights for prompts, for 2 "
+                          "bytes per weight more memory (default: where it is faster, i.e. unless the int8 "
+                          "dot-product kernels serve on a CPU without AMX)")
     deterministic: bool = Field(
         False, description="every token through the same kernels whether prefilled, decoded, chunked, batched or "
                            "read from the prefix cache: greedy outputs and logprobs bit-identical across all of "
