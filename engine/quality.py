@@ -42,13 +42,17 @@ class Agreement:
         return self.perplexity / self.reference_perplexity
 
 
+def agreement(got: Sequence[TextScore], want: Sequence[TextScore]) -> Agreement:
+    """Top-1 agreement and perplexities of a candidate's scores `got` against a reference's `want`, text by text."""
+    same, total, nll, ref_nll = 0, 0, 0.0, 0.0
+    for g, w in zip(got, want, strict=True):
+        same += int((g.top1 == w.top1).sum())
+        total += len(g.top1)
+        nll += float(g.nll.sum())
+        ref_nll += float(w.nll.sum())
+    return Agreement(same / total, math.exp(nll / total), math.exp(ref_nll / total), total)
+
+
 def compare(candidate: Runner, reference: Runner, texts: Sequence[Sequence[int]]) -> Agreement:
     """Top-1 agreement and perplexities of `candidate` against `reference` over all positions of `texts`."""
-    same, total, nll, ref_nll = 0, 0, 0.0, 0.0
-    for ids in texts:
-        got, want = score_text(candidate, ids), score_text(reference, ids)
-        same += int((got.top1 == want.top1).sum())
-        total += len(got.top1)
-        nll += float(got.nll.sum())
-        ref_nll += float(want.nll.sum())
-    return Agreement(same / total, math.exp(nll / total), math.exp(ref_nll / total), total)
+    return agreement([score_text(candidate, ids) for ids in texts], [score_text(reference, ids) for ids in texts])

@@ -484,7 +484,7 @@ void attend_queries(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
   const T* v_p = values.data_ptr<T>();
   T* o_p = out.data_ptr<T>();
   at::parallel_for(0, n * kvh, grain(n * kvh, longest * d * group), [&](int64_t begin, int64_t end) {
-    Scratch scratch;
+    static thread_local Scratch scratch;  // one per thread for the process's life: no allocation per call
     for (int64_t task = begin; task < end; ++task) {
       const auto& query = queries[task / kvh];
       const int64_t kh = task % kvh, row = query[0];

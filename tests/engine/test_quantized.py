@@ -20,7 +20,8 @@ from gguf.quants import quantize as gguf_quantize
 
 from engine import load_runner
 from engine.loader import resolve_quant
-from engine.quality import compare
+from engine.quality import TextScore, score_text
+from engine.quality import agreement as quality_agreement
 from engine.batch import StepRow
 from engine.batch import DENSE_MIN_ROWS
 from engine.layers import dense_matmul
@@ -279,14 +280,26 @@ def _quality_texts(runner) -> list[list[int]]:
     return [runner.tokenizer.encode(p) for p in prompts] + [runner.tokenizer.encode((DATA / "quality_sample.txt").read_text())]
 
 
+_REFERENCE_SCORES: dict[str, tuple[list[list[int]], list[TextScore]]] = {}  # per model: its texts, float32's scores
+
+
+def _reference_scores(request, model: str) -> tuple[list[list[int]], list[TextScore]]:
+    """The float32 runner's scores on the quality texts, computed once per model for both formats."""
+    if model not in _REFERENCE_SCORES:
+        reference = request.getfixturevalue("smollm" if model.startswith("smollm") else "gemma")  # float32
+        texts = _quality_texts(reference)
+        _REFERENCE_SCORES[model] = texts, [score_text(reference, ids) for ids in texts]
+    return _REFERENCE_SCORES[model]
+
+
 @pytest.mark.parametrize("model,quant", list(QUALITY_BOUNDS))
 def test_quality_guard(request, model: str, quant: str) -> None:
-    reference = request.getfixturevalue("smollm" if model.startswith("smollm") else "gemma")  # float32
+    texts, want = _reference_scores(request, model)
     # Without dense copies every position runs the packed kernels a decode step runs (activations rounded to 8 bits
     # where engine/quant_dot.py serves), the lossier of the two paths; the dense copies are bfloat16 matmuls.
     candidate = load_runner(model, quant=quant, dense_prefill=False)
     assert candidate.dtype == torch.bfloat16
-    agreement = compare(candidate, reference, _quality_texts(reference))
+    agreement = quality_agreement([score_text(candidate, ids) for ids in texts], want)
     min_agreement, max_ratio = QUALITY_BOUNDS[(model, quant)]
     assert agreement.positions > 400
     assert agreement.top1_agreement >= min_agreement, agreement

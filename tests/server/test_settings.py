@@ -136,3 +136,14 @@ def test_speculation_settings_are_coherent() -> None:
 def test_a_missing_draft_model_stops_the_start(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--draft-model", "/no/such/draft.gguf"]) == 2
     assert "draft model not found" in capsys.readouterr().err
+
+
+def test_malloc_arenas_are_capped_on_glibc() -> None:
+    """The cap the serve command sets before its threads start (the soak's flat-RSS check relies on it)."""
+    import platform
+
+    from server.cli import cap_malloc_arenas
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("not glibc")
+    assert cap_malloc_arenas() is True
