@@ -155,7 +155,7 @@ VNNI_TARGET void int8_tile(const uint8_t* tile, const float* row_scale, const Qu
   for (int r = 0; r < R; ++r) store_tile(_mm512_mul_ps(acc[r], s), out + r * out_stride, count);
 }
 
-template <typename T, typename TileFn>
+template <typename TileFn>
 void for_each_tile(int64_t rows, int64_t tiles, int64_t n, int64_t k, TileFn&& tile_fn) {
   const int64_t macs = rows * tiles * kTile * k;
   const int64_t threads = macs < kParallelMacs ? 1 : at::get_num_threads();
@@ -209,10 +209,10 @@ Quantized quantize(const at::Tensor& x) {
   return q;
 }
 
-template <int R, typename T, typename Fn>
+template <int R, typename Fn>
 void dispatch_rows(int64_t r, Fn&& fn) {
   if constexpr (R > 1) {
-    if (r < R) return dispatch_rows<R - 1, T>(r, fn);
+    if (r < R) return dispatch_rows<R - 1>(r, fn);
   }
   fn(std::integral_constant<int, R>{});
 }
@@ -223,47 +223,44 @@ bool supported() {
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c");
 }
 
-at::Tensor int4_dot_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+// The driver both weight formats share: x quantized once, then tile(rows, a, tile index, first row, out, valid
+// outputs) for every tile of 16 outputs and every run of up to kRowTile rows (rows: a compile-time count).
+template <typename Tile>
+at::Tensor dot_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t record, int64_t out_features,
+                      Tile&& tile) {
   TORCH_CHECK(supported(), "this CPU has no AVX-512 VNNI");
-  check_input(x, packed, kInt4Record, out_features);
+  check_input(x, packed, record, out_features);
   const Quantized q = quantize(x);
   const QuantizedRows a = q.rows();
   at::Tensor y = at::empty({x.size(0), out_features}, x.options());
-  const uint8_t* w = packed.data_ptr<uint8_t>();
-  const int64_t tile_bytes = a.blocks * kInt4Record;
   with_activation_type(y, [&](auto* out) {
-    using scalar_t = std::remove_pointer_t<decltype(out)>;
-    for_each_tile<scalar_t>(x.size(0), packed.size(0), out_features, x.size(1), [&](int64_t t, int64_t r, int64_t n, int64_t count) {
-      dispatch_rows<kRowTile, scalar_t>(n, [&](auto rows) {
-        int4_tile<decltype(rows)::value>(w + t * tile_bytes, a, r, out + r * out_features + t * kTile, out_features, count);
-      });
+    for_each_tile(x.size(0), packed.size(0), out_features, x.size(1), [&](int64_t t, int64_t r, int64_t n, int64_t count) {
+      dispatch_rows<kRowTile>(n, [&](auto rows) { tile(rows, a, t, r, out + r * out_features + t * kTile, count); });
     });
   });
   return y;
 }
 
+at::Tensor int4_dot_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const int64_t tile_bytes = packed.size(1) * kInt4Record;
+  return dot_matmul(x, packed, kInt4Record, out_features, [&](auto rows, const QuantizedRows& a, int64_t t, int64_t r,
+                                                              auto* out, int64_t count) {
+    int4_tile<decltype(rows)::value>(w + t * tile_bytes, a, r, out, out_features, count);
+  });
+}
+
 at::Tensor int8_dot_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& row_scale,
                            int64_t out_features) {
-  TORCH_CHECK(supported(), "this CPU has no AVX-512 VNNI");
-  check_input(x, packed, kInt8Record, out_features);
   TORCH_CHECK(row_scale.scalar_type() == at::kFloat && row_scale.is_contiguous() &&
                   row_scale.numel() == packed.size(0) * kTile, "row_scale must be float32 [tiles * 16]");
-  const Quantized q = quantize(x);
-  const QuantizedRows a = q.rows();
-  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const float* s = row_scale.data_ptr<float>();
-  const int64_t tile_bytes = a.blocks * kInt8Record;
-  with_activation_type(y, [&](auto* out) {
-    using scalar_t = std::remove_pointer_t<decltype(out)>;
-    for_each_tile<scalar_t>(x.size(0), packed.size(0), out_features, x.size(1), [&](int64_t t, int64_t r, int64_t n, int64_t count) {
-      dispatch_rows<kRowTile, scalar_t>(n, [&](auto rows) {
-        int8_tile<decltype(rows)::value>(w + t * tile_bytes, s + t * kTile, a, r, out + r * out_features + t * kTile,
-                                         out_features, count);
-      });
-    });
+  const int64_t tile_bytes = packed.size(1) * kInt8Record;
+  return dot_matmul(x, packed, kInt8Record, out_features, [&](auto rows, const QuantizedRows& a, int64_t t, int64_t r,
+                                                              auto* out, int64_t count) {
+    int8_tile<decltype(rows)::value>(w + t * tile_bytes, s + t * kTile, a, r, out, out_features, count);
   });
-  return y;
 }
 
 bool int8_dot_supported() { return supported(); }
