@@ -19,7 +19,10 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
+#define EMBERSERVE_X86 1
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -34,6 +37,8 @@ constexpr int64_t kInt4Record = 320;  // bytes per tile and block, int4 weights
 constexpr int64_t kInt8Record = 512;  // bytes per tile and block, int8 weights
 constexpr int kRowTile = 4;           // activation rows computed together (each needs 3 vector registers)
 constexpr int64_t kParallelMacs = 1 << 18;  // below this many multiply-adds a call stays on the calling thread
+
+#if EMBERSERVE_X86
 
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 
@@ -88,7 +93,7 @@ VNNI_TARGET inline void store_tile(const __m512& acc, T* out, int64_t count) {
   for (int64_t i = 0; i < count; ++i) out[i] = static_cast<T>(v[i]);  // bfloat16: round to nearest even
 }
 
-inline __m512i broadcast4(const int8_t* p) {
+VNNI_TARGET inline __m512i broadcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, sizeof(v));
   return _mm512_set1_epi32(v);
@@ -262,6 +267,20 @@ at::Tensor int8_dot_matmul(const at::Tensor& x, const at::Tensor& packed, const 
     int8_tile<decltype(rows)::value>(w + t * tile_bytes, s + t * kTile, a, r, out, out_features, count);
   });
 }
+
+#else  // not x86-64: no VNNI; the ops exist (the library builds everywhere) and refuse, as on an x86 CPU without it
+
+bool supported() { return false; }
+
+at::Tensor int4_dot_matmul(const at::Tensor&, const at::Tensor&, int64_t) {
+  TORCH_CHECK(false, "this CPU has no AVX-512 VNNI");
+}
+
+at::Tensor int8_dot_matmul(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
+  TORCH_CHECK(false, "this CPU has no AVX-512 VNNI");
+}
+
+#endif
 
 bool int8_dot_supported() { return supported(); }
 
