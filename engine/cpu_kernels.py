@@ -13,6 +13,7 @@ turns the compiled kernels off (to measure what they bring, or to rule them out)
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -33,15 +34,21 @@ SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("cpu_kernel
 _state: dict[str, object] = {"loaded": None, "why": ""}
 
 
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it does not)."""
+    try:
+        return frozenset(Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split())
+    except (OSError, IndexError):
+        return frozenset()
+
+
 def _arch_flags() -> list[str]:
     """The x86-64 micro-architecture level this CPU has: v4 (AVX-512) or v3 (AVX2, FMA), never -march=native, so
     that a library built on one machine runs on any other of its level (the level is in the library's name, so a
     machine of another level sharing the cache builds its own); the generic target elsewhere."""
     if platform.machine() in ("x86_64", "AMD64"):
-        try:
-            flags = set(Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split())
-        except (OSError, IndexError):
-            flags = set()
+        flags = cpu_flags()
         if {"avx2", "fma", "bmi2", "f16c", "movbe"} <= flags:
             if {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"} <= flags:
                 return ["-march=x86-64-v4", "-mprefer-vector-width=512"]

@@ -7,7 +7,6 @@ stays the exact reference the tests hold the other paths to. Measured against to
 bench/matmul_formats.py; the quality guard (tests/engine/test_quantized.py) covers the activation rounding.
 """
 # No `from __future__ import annotations`: TorchScript reads the linears' annotations as types.
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -25,18 +24,11 @@ def dot_kernels_serve(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and cpu_kernels.available() and bool(torch.ops.emberserve.int8_dot_supported())
 
 
-def _cpu_has_amx() -> bool:
-    try:
-        return "amx_bf16" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
 def dense_copies_pay(dtype: torch.dtype) -> bool:
     """Whether packed layers should keep a bfloat16 copy for prefill: where the dot kernels serve, prompts run as
     fast through them as through a dense bfloat16 matmul on AVX-512 (bench/matmul_formats.py), so the copy would
     only cost memory; with AMX, oneDNN's bfloat16 matmul is several times faster than either."""
-    return not dot_kernels_serve(dtype) or _cpu_has_amx()
+    return not dot_kernels_serve(dtype) or "amx_bf16" in cpu_kernels.cpu_flags()
 
 
 def _tiles_of_steps(codes: Tensor) -> Tensor:

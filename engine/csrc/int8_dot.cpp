@@ -83,9 +83,6 @@ VNNI_TARGET void quantize_rows(const T* x, int64_t rows, int64_t k, int64_t stri
   }
 }
 
-inline float load_float(float v) { return v; }
-inline float load_float(c10::BFloat16 v) { return static_cast<float>(v); }
-
 template <typename T>
 VNNI_TARGET inline void store_tile(const __m512& acc, T* out, int64_t count) {
   alignas(64) float v[kTile];
@@ -222,10 +219,13 @@ void dispatch_rows(int64_t r, Fn&& fn) {
   fn(std::integral_constant<int, R>{});
 }
 
-bool supported() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c");
+bool supported() {  // asked once (every matmul checks it)
+  static const bool vnni = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c");
+  }();
+  return vnni;
 }
 
 // The driver both weight formats share: x quantized once, then tile(rows, a, tile index, first row, out, valid
