@@ -14,6 +14,7 @@ import torch
 
 from .batch import ForwardBatch, StepRow, build_batch
 from .block_manager import BlockManager, KVSequence
+from .chunk_graphs import CHUNK_BUCKETS, ChunkGraphs, GraphStep
 from .cuda_graphs import DecodeGraphs, table_width
 from .config import EncoderConfig, ModelConfig
 from .errors import ContextLengthError, EngineError, RowError
@@ -81,6 +82,8 @@ class Runner:
         self.context_size = max_context or trained
         self.generation_defaults = dict(generation_defaults or {})
         self.graphs: DecodeGraphs | None = None
+        self.chunk_graphs: ChunkGraphs | None = None
+        self._graph_step: GraphStep | None = None  # steps of decode rows and a few chunks, replayed
         self._session: KVSequence | None = None
         self._released: queue.SimpleQueue[KVSequence] = queue.SimpleQueue()  # snapshots collected by the GC
         self.blocks: BlockManager | None = None
@@ -196,9 +199,9 @@ class Runner:
         for row in rows:
             self.blocks.allocate(row.seq, row.end)
         copies = self.blocks.take_copies()
-        if self.graphs is not None and self.graphs.serves(rows):
+        if self._graph_step is not None and self._graph_step.serves(rows):
             self.cache.copy_blocks(copies)
-            logits = self.graphs.run(rows)
+            logits = self._graph_step.run(rows)
         else:
             batch = build_batch(rows, self.blocks.block_size, self.config.sliding_window, self.device,
                                 paged=self.paged_attention, paged_decode=self.paged_decode,
@@ -277,9 +280,10 @@ class Runner:
             for seq in kv:
                 self.blocks.release(seq)
 
-    def capture_cuda_graphs(self, max_batch: int) -> float:
-        """Capture decode steps of up to `max_batch` rows as CUDA graphs (engine/cuda_graphs.py); returns the
-        seconds it took. GPU only."""
+    def capture_cuda_graphs(self, max_batch: int, chunk_tokens: int = CHUNK_BUCKETS[-1]) -> float:
+        """Capture decode steps of up to `max_batch` rows (engine/cuda_graphs.py) and prompt chunks of up to
+        `chunk_tokens` tokens (engine/chunk_graphs.py; 0: none) as CUDA graphs; returns the seconds it took. GPU
+        only."""
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {self.device.type}")
         if self.tensor_parallel is not None:
@@ -289,9 +293,14 @@ class Runner:
         bs = self.blocks.block_size
         started = time.perf_counter()
         self._warm_up_kernels()
-        self.graphs = DecodeGraphs(self.model, self.cache, max_batch, table_width(self.context_size, bs),
-                                   trash_slot=self.blocks.num_blocks * bs)
+        width, trash = table_width(self.context_size, bs), self.blocks.num_blocks * bs
+        self.graphs = DecodeGraphs(self.model, self.cache, max_batch, width, trash_slot=trash)
         self.graphs.capture()
+        if chunk_tokens > 0:
+            self.chunk_graphs = ChunkGraphs(self.model, self.cache, min(chunk_tokens, self.context_size), width,
+                                            trash_slot=trash)
+            self.chunk_graphs.capture()
+        self._graph_step = GraphStep(self.graphs, self.chunk_graphs)
         return time.perf_counter() - started
 
     def _warm_up_kernels(self) -> None:

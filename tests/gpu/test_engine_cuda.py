@@ -81,6 +81,63 @@ def test_graph_replay_equals_eager_steps(tinies, variant, dtype) -> None:
         assert float((eager - replayed).abs().max()) <= tol * scale, (variant, dtype, step)
 
 
+@pytest.mark.parametrize("variant", ["llama_tied", "qwen3", "gemma3"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_chunk_graphs_equal_eager_steps(tinies, variant, dtype) -> None:
+    """Prompt chunks replayed from their buckets' graphs (engine/chunk_graphs.py) against the same steps run
+    eagerly: two fresh prompts in one step (buckets 32 and 16), then decode steps of both with a third prompt
+    joining, and a fourth whose first block comes from the prefix cache (a chunk over cached blocks), past gemma3's
+    window."""
+    tiny = tinies[variant]
+    results = []
+    for graphs in (False, True):
+        runner = load_runner(str(tiny.safetensors_dir), device="cuda", dtype=dtype)
+        if graphs:
+            runner.capture_cuda_graphs(8, chunk_tokens=64)
+            assert runner.chunk_graphs.buckets == [16, 32, 64]
+        a, b = (runner.new_sequence(prompt_ids(tiny, i, n)) for i, n in ((0, 30), (1, 12)))
+        steps = [runner.step([StepRow(a, 0, 30), StepRow(b, 0, 12)]).float().cpu()]
+        seqs = [a, b]
+        for i in range(6):
+            for seq, token in zip(seqs, steps[-1].argmax(-1).tolist()):
+                seq.tokens.append(token)
+            rows = [StepRow(s, s.num_computed, len(s.tokens)) for s in seqs]
+            if i in (1, 3):
+                # a fresh prompt, then one sharing the first prompt's first block (computed from the cache on)
+                new = runner.new_sequence(prompt_ids(tiny, 1, 20) if i == 1 else prompt_ids(tiny, 0, 40))
+                assert new.num_computed == (0 if i == 1 else runner.blocks.block_size)
+                rows.append(StepRow(new, new.num_computed, len(new.tokens)))
+                seqs.append(new)
+            steps.append(runner.step(rows).float().cpu())
+        results.append(steps)
+        for s in seqs:
+            runner.free_sequence(s)
+        assert runner.blocks.num_used == 0
+    tol = 1e-4 if dtype == "float32" else 3e-2
+    for step, (eager, replayed) in enumerate(zip(*results)):
+        assert eager.shape == replayed.shape
+        scale = max(1.0, float(eager.abs().max()))
+        assert float((eager - replayed).abs().max()) <= tol * scale, (variant, dtype, step)
+
+
+@pytest.mark.parametrize("variant", ["llama_tied", "gemma3"])
+def test_prompts_of_one_eager_step_equal_each_alone(tinies, variant) -> None:
+    """Three fresh prompts in one eager step go through one paged prefill call; each alone through fused
+    attention (SDPA): the same next-token logits (float32), gemma3's longest prompt past its window."""
+    tiny = tinies[variant]
+    runner = load_runner(str(tiny.safetensors_dir), device="cuda", dtype="float32", prefix_caching=False)
+    prompts = [prompt_ids(tiny, i % 2, n) for i, n in enumerate((30, 12, 21))]
+    alone = []
+    for ids in prompts:
+        seq = runner.new_sequence(ids)
+        alone.append(runner.step([StepRow(seq, 0, len(ids))])[0].cpu())
+        runner.free_sequence(seq)
+    seqs = [runner.new_sequence(ids) for ids in prompts]
+    together = runner.step([StepRow(s, 0, len(s.tokens)) for s in seqs]).cpu()
+    for i, want in enumerate(alone):
+        assert_logits_close(together[i], want, f"{variant} prompt {i} of a batched eager step")
+
+
 def test_graphs_serve_only_pure_decode_steps(tinies) -> None:
     tiny = tinies["llama_tied"]
     runner = load_runner(str(tiny.safetensors_dir), device="cuda", dtype="float32")
