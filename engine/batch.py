@@ -5,8 +5,8 @@ tokens (rows of one new token) first, then the short prefill chunks, then the lo
 tokens go through the packed matmul kernels, the rest through the dense copies (quant.PackedLinear): which one a
 row takes depends only on the row itself. Attention is per row: the decode rows form one batched group reading their
 keys in place (one row with consecutive blocks, or through block tables with the paged kernel on a GPU) or through
-a gather of their blocks; each longer chunk (a prefill) attends on its own, or (on a GPU, over cached blocks) all
-together through the paged prefill kernel.
+a gather of their blocks; each longer chunk (a prefill) attends on its own, or (on a GPU: over cached blocks, or beside other
+prompts) all together through the paged prefill kernel.
 
 A deterministic batch sends every token through the same kernels, whatever the row and its neighbours: packed
 kernels (or padded dense matmuls) for every row, and attention in float64 (layers.exact_attention).
@@ -147,10 +147,13 @@ def build_batch(rows: list[StepRow], block_size: int, window: int | None, device
             sliding_mask = _mask(q_pos, span, window).unsqueeze(1)
     p_begins, p_ends, p_blocks, p_full, p_sliding = [], [], [], [], []
     cached = []
+    # On a GPU several fresh prompts join the chunks over cached blocks in the one paged prefill call: attended one
+    # by one, each costs a fused-attention launch per layer from the host (a burst of 64 prompts: 1,024 of them).
+    fresh_paged = paged and len(prefill_rows) > 1
     for row in prefill_rows:
         begin = begins[id(row)]
         small = (row.end - row.start) * row.end <= CPU_PAGED_MAX_CHUNK_WORK
-        if row.start > 0 and (paged or (paged_decode and small)):  # over cached blocks: one paged prefill call
+        if (row.start > 0 or fresh_paged) and (paged or (paged_decode and small)):  # one paged prefill call
             cached.append((begin, row))
             continue
         p_begins.append(begin)
