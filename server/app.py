@@ -141,7 +141,7 @@ def start_serving(settings: Settings, runners: list[Runner], on_worker_failure: 
         threading.Thread(target=grammars.vocabulary, name="grammar-vocabulary", daemon=True).start()
     return ModelState(model_id=model_id, runner=runner, pool=pool, fingerprint=f"fp_{digest}",
                       created=int(time.time()), max_prompt_tokens=settings.max_prompt_tokens,
-                      stream_timeout=settings.stream_timeout,
+                      stream_timeout=settings.stream_timeout, stream_interval=settings.stream_interval,
                       parse_special_in_messages=settings.parse_special_in_messages, grammars=grammars,
                       embeddings=settings.embeddings or runner.is_encoder, pooling=settings.pooling,
                       preset=get_preset(settings.preset) if settings.preset is not None else None)

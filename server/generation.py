@@ -32,6 +32,16 @@ class ChoiceDelta:
     at: float = field(default_factory=time.perf_counter)  # when the worker made these tokens (latency metrics)
 
 
+def merged(deltas: list[ChoiceDelta]) -> ChoiceDelta:
+    """Consecutive deltas of one choice as one: their text, tokens and logprobs in order, the last one's finish."""
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
+    logprobs = None if last.logprobs is None else [lp for d in deltas for lp in d.logprobs]
+    return ChoiceDelta(last.index, "".join(d.text for d in deltas), [t for d in deltas for t in d.tokens], logprobs,
+                       last.finish_reason, last.stop_reason, last.at)
+
+
 @dataclass(frozen=True)
 class PromptLogprobs:
     """Logprobs of the prompt tokens (the first has none), for `echo` with `logprobs`."""
@@ -78,6 +88,10 @@ class Generation:
     prompt_index: int = 0               # which prompt of its request this is
     # Undelivered events past which the worker pauses this generation (a client that stops reading); None: never.
     max_backlog: int | None = None
+    # Tokens a choice gathers into one ChoiceDelta past its first (the last goes out with the finish): fewer
+    # events, chunks and socket writes per token when many streams run (--stream-interval); 0: the scheduler's
+    # choice by load (Scheduler.auto_stream_interval).
+    stream_interval: int = 1
     arrival: float = field(default_factory=time.perf_counter)  # when the request came in, for the latency metrics
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     channel: asyncio.Queue[tuple[Generation, Event]] = field(default_factory=asyncio.Queue)

@@ -29,7 +29,7 @@ from engine.errors import RowError
 
 from .embedding_jobs import EmbeddingJob, EmbeddingSteps
 from .generation import ChoiceDelta, EventBatch, Generation, GenerationDone, GenerationFailed, PromptLogprobs, \
-    TokenLogprob
+    TokenLogprob, merged
 from .grammar import GrammarMatcher, fill_bitmasks, fill_draft_bitmasks
 from .sampling import SequenceSampler, sample_batch
 from .speculation import Speculator
@@ -38,6 +38,17 @@ from .stopping import StopChecker, StopUpdate
 from .token_bitmask import allocate_bitmask
 
 log = logging.getLogger("emberserve.scheduler")
+# Generation.stream_interval 0: a chunk per token up to 2 * AUTO_STREAMS running sequences, then one more token a
+# chunk per AUTO_STREAMS of them, at most AUTO_MAX_INTERVAL. Each chunk costs the event loop the same whatever its
+# tokens, and the loop shares the GIL with this thread: at 128 streams one chunk a token is most of the server's
+# time (bench/RESULTS.md, issue 13).
+AUTO_STREAMS = 16
+AUTO_MAX_INTERVAL = 16
+
+
+def auto_stream_interval(running: int) -> int:
+    """Tokens a chunk gathers when the generation leaves it to the load: `running` sequences decoding."""
+    return min(AUTO_MAX_INTERVAL, max(1, running // AUTO_STREAMS))
 
 
 @dataclass(eq=False)
@@ -53,6 +64,8 @@ class Unit:
     # the generated tokens too.
     matcher: GrammarMatcher | None = None
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    # The choice's deltas not sent yet (gathered up to its generation's stream_interval).
+    held: list[ChoiceDelta] = field(default_factory=list)
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -118,6 +131,7 @@ class Scheduler:
         self.peak_running = 0  # the most sequences one step has run together, since start
         self.num_queued = 0  # generations not started yet (read from other threads: one int, always current)
         self.events = EventBatch()
+        self._auto_interval = 1  # auto_stream_interval of the step under way
         self.embeddings = EmbeddingSteps(runner, max_batched_tokens)
         self._embeddings_turn = True
 
@@ -156,6 +170,11 @@ class Scheduler:
 
     def fail(self, gens: list[Generation], status: int, message: str, code: str | None = None) -> None:
         """End `gens` with an error event, freeing what they hold; what was produced before goes out first."""
+        failing = set(gens)
+        for unit in self.running + list(self.waiting):
+            if unit.held and unit.gen in failing:
+                self.events.emit(unit.gen, merged(unit.held))
+                unit.held = []
         self.events.flush()
         for gen in dict.fromkeys(gens):
             if gen in self._gens:
@@ -343,6 +362,7 @@ class Scheduler:
         started = time.perf_counter()
         self._stepping = self._schedule()
         self.peak_running = max(self.peak_running, len(self.running))
+        self._auto_interval = auto_stream_interval(len(self.running))
         early = self._start_masks(self._stepping)
         done = self._forward(self._stepping)
         if done is None:
@@ -549,8 +569,16 @@ class Scheduler:
                 end = unit.stopper.end()
                 update = StopUpdate(update.text + end.text, end.finish_reason)
         logprobs = [TokenLogprob(token, logprob, top or [])] if gen.params.logprobs else None
-        self.events.emit(gen, ChoiceDelta(unit.choice, update.text, [token], logprobs, update.finish_reason,
-                                           update.stop_reason))
+        delta = ChoiceDelta(unit.choice, update.text, [token], logprobs, update.finish_reason, update.stop_reason)
+        interval = gen.stream_interval or self._auto_interval
+        if update.finish_reason is None and interval > 1 and unit.stopper.num_tokens > 1 \
+                and len(unit.held) + 1 < interval:
+            unit.held.append(delta)  # the first token goes at once (TTFT); then every stream_interval-th
+        else:
+            if unit.held:
+                unit.held.append(delta)
+                delta, unit.held = merged(unit.held), []
+            self.events.emit(gen, delta)
         if update.finish_reason is None:
             if append:
                 unit.kv.tokens.append(token)

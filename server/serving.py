@@ -42,6 +42,7 @@ class ModelState:
     created: int
     max_prompt_tokens: int | None = None  # the operator's cap on prompt length, below the context
     stream_timeout: float | None = None   # seconds a stream waits for a client that stopped reading, then is cut
+    stream_interval: int = 0              # tokens a choice gathers into one event (Generation.stream_interval)
     parse_special_in_messages: bool = False  # trusted callers: special-token text in messages is control tokens
     grammars: GrammarCompiler | None = None  # compiled output grammars (structured outputs, tool calls), cached
     embeddings: bool = False              # serves POST /v1/embeddings (an encoder always; a decoder with --embeddings)
@@ -191,7 +192,8 @@ class OpenAIServing:
                           stop_token_ids=self.tokenizer.end_token_ids, min_tokens=req.min_tokens,
                           ignore_eos=req.ignore_eos, prompt_logprobs=prompt_logprobs, request_id=rid,
                           prompt_index=index, arrival=arrival, grammar=grammar,
-                          max_backlog=STREAM_BACKLOG_PER_CHOICE * req.n if req.stream else None, **extra)
+                          max_backlog=STREAM_BACKLOG_PER_CHOICE * req.n if req.stream else None,
+                          stream_interval=self.state.stream_interval, **extra)
 
     def submit(self, gens: list[Generation]) -> None:
         """Queue the generations (429 when the queue is full); on failure none of them stays queued."""

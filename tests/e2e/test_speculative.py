@@ -1,5 +1,6 @@
 """Speculative decoding on a real server: `--speculative ngram` answers exactly what the engine decodes without it
-(greedy, concurrent requests, a stop string), and reports its acceptance in /health and /metrics."""
+(greedy, concurrent requests, a stop string), and reports its acceptance in /health and /metrics. The same server
+streams with `--stream-interval 4`: fewer chunks, the same text."""
 from __future__ import annotations
 
 import asyncio
@@ -29,7 +30,7 @@ FREE = [{"role": "user", "content": "Write two sentences about the sea."}]
 @pytest.fixture(scope="module")
 def spec_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     srv = start_server(tmp_path_factory.mktemp("spec"), "--model", MODEL, *EXACT, "--speculative", "ngram",
-                       "--num-speculative-tokens", "4")
+                       "--num-speculative-tokens", "4", "--stream-interval", "4")
     yield srv
     stop_server(srv)
 
@@ -72,3 +73,15 @@ def test_greedy_outputs_equal_the_engine_without_speculation(spec_server: Server
                     if line.startswith("emberserve:spec_decode_num_accepted_tokens_total"))
     assert float(accepted.split()[-1]) == health["spec_decode_num_accepted_tokens"]
     assert 'emberserve:spec_decode_num_accepted_tokens_per_pos_total{position="0"}' in metrics
+
+
+def test_a_stream_interval_sends_the_same_text_in_fewer_chunks(spec_server: ServerProcess, ref: Reference) -> None:
+    expected = ref.generate(ref.chat_ids(FREE), 32)
+    client = openai.OpenAI(base_url=f"{spec_server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=FREE, max_tokens=32, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    content = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert "".join(content) == ref.text(expected)
+    assert chunks[-1].usage.completion_tokens == len(expected)
+    # the first token alone, then (accepted drafts or not) at least four tokens a chunk, the rest with the finish
+    assert 3 <= len(content) <= 2 + (len(expected) - 1) // 4, [len(c) for c in content]

@@ -376,3 +376,82 @@ def test_grammar_rows_of_a_mixed_batch_match_and_the_rest_are_untouched(tmp_path
         assert runner.blocks.num_used == 0
 
     asyncio.run(main())
+
+
+def _events(gen: Generation) -> list:
+    out = []
+    while not gen.channel.empty():
+        out.append(gen.channel.get_nowait()[1])
+    return out
+
+
+def test_a_stream_interval_gathers_tokens_into_fewer_events(tiny_path: Path) -> None:
+    """Interval 4: each choice's first token alone, then four at a time, the rest with the finish; the text, tokens
+    and logprobs the same as one event per token. A generation failed mid-way still hands on what it held."""
+    runner = load_runner(tiny_path, dtype="float32")
+    params = SamplingParams(temperature=0, logprobs=True, top_logprobs=2)
+
+    async def main() -> None:
+        sched = Scheduler(runner)
+        gens = {interval: Generation(prompt_ids=PROMPTS[0], params=params, max_tokens=10, n=2, ignore_eos=True,
+                                     stream_interval=interval) for interval in (1, 4)}
+        for gen in gens.values():
+            sched.add(gen)
+        while sched.has_work():
+            sched.step()
+        await asyncio.sleep(0)
+        per_choice = {}
+        for interval, gen in gens.items():
+            deltas = [e for e in _events(gen) if isinstance(e, ChoiceDelta)]
+            for choice in (0, 1):
+                mine = [d for d in deltas if d.index == choice]
+                per_choice[interval, choice] = mine
+                assert [d.finish_reason for d in mine][-1] == "length"
+                assert all(d.finish_reason is None for d in mine[:-1])
+        for choice in (0, 1):
+            assert [len(d.tokens) for d in per_choice[1, choice]] == [1] * 10
+            assert [len(d.tokens) for d in per_choice[4, choice]] == [1, 4, 4, 1]
+            for field in ("tokens", "logprobs"):
+                one, four = ([x for d in per_choice[i, choice] for x in getattr(d, field)] for i in (1, 4))
+                assert one == four and len(one) == 10
+            assert "".join(d.text for d in per_choice[1, choice]) == "".join(d.text for d in per_choice[4, choice])
+
+        failing = Generation(prompt_ids=PROMPTS[1], params=params, max_tokens=50, ignore_eos=True, stream_interval=8)
+        sched.add(failing)
+        for _ in range(5):  # the prompt's step and four decode steps: five tokens, four of them held
+            sched.step()
+        sched.fail([failing], 500, "boom")
+        await asyncio.sleep(0)
+        events = _events(failing)
+        assert [len(e.tokens) for e in events if isinstance(e, ChoiceDelta)] == [1, 4]
+        assert type(events[-1]).__name__ == "GenerationFailed"
+        assert runner.blocks.num_used == 0
+
+    asyncio.run(main())
+
+
+def test_stream_interval_zero_follows_the_load(tiny_path: Path) -> None:
+    """Left to the scheduler (0), chunks gather one token more per 16 running sequences: 48 together, 3 a chunk;
+    one alone, every token on its own."""
+    from server.scheduler import AUTO_MAX_INTERVAL, AUTO_STREAMS, auto_stream_interval
+
+    for running in range(1, 1000):
+        assert auto_stream_interval(running) == max(1, min(AUTO_MAX_INTERVAL, running // AUTO_STREAMS))
+    probe = load_runner(tiny_path, dtype="float32")
+    runner = load_runner(tiny_path, dtype="float32",  # a pool that holds all 48 sequences at once
+                         kv_cache_memory=kv_bytes_per_token(probe.config, probe.dtype) * 48 * 64)
+
+    async def main(count: int) -> list[list[int]]:
+        sched = Scheduler(runner, max_running=64)
+        gens = [Generation(prompt_ids=PROMPTS[i % 6], params=SamplingParams(temperature=0), max_tokens=10,
+                           ignore_eos=True, stream_interval=0) for i in range(count)]
+        for gen in gens:
+            sched.add(gen)
+        while sched.has_work():
+            sched.step()
+        await asyncio.sleep(0)
+        return [[len(e.tokens) for e in _events(g) if isinstance(e, ChoiceDelta)] for g in gens]
+
+    sizes = asyncio.run(main(48))
+    assert all(s == [1, 3, 3, 3] for s in sizes), sizes[:3]
+    assert asyncio.run(main(1)) == [[1] * 10]
