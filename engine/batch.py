@@ -21,14 +21,16 @@ import torch
 from torch import Tensor
 
 from .block_manager import KVSequence
+from .cpu_kernels import chunk_attention_kernel
 
 # Rows from which a dense bfloat16 matmul beats the packed kernels on CPU (bench/matmul_formats.py): shorter chunks
 # are laid out right after the decode rows and take the packed kernels with them.
 DENSE_MIN_ROWS = 32
-# A chunk over cached blocks takes the compiled CPU attention kernel (keys read in place, one query at a time) while
-# its queries times keys are at most this; past it a gather and torch's fused attention win (a 12-token question
-# after a 2,048-token cached prefix: bench/RESULTS.md, issue 17). Decode rows always take the kernel.
-CPU_PAGED_MAX_CHUNK_WORK = 8192
+# A chunk over cached blocks takes the compiled CPU attention kernel (keys read in place) while its queries times
+# keys are at most this. Built for AVX-512 the kernel takes a chunk's queries together and wins at every size (None:
+# no bound); one query at a time, past this a gather and torch's fused attention win (a 12-token question after a
+# 2,048-token cached prefix: bench/RESULTS.md, issue 17). Decode rows always take the kernel.
+CPU_PAGED_MAX_CHUNK_WORK: int | None = None if chunk_attention_kernel() else 8192
 
 
 class StepRow(NamedTuple):
@@ -152,7 +154,7 @@ def build_batch(rows: list[StepRow], block_size: int, window: int | None, device
     fresh_paged = paged and len(prefill_rows) > 1
     for row in prefill_rows:
         begin = begins[id(row)]
-        small = (row.end - row.start) * row.end <= CPU_PAGED_MAX_CHUNK_WORK
+        small = CPU_PAGED_MAX_CHUNK_WORK is None or (row.end - row.start) * row.end <= CPU_PAGED_MAX_CHUNK_WORK
         if (row.start > 0 or fresh_paged) and (paged or (paged_decode and small)):  # one paged prefill call
             cached.append((begin, row))
             continue

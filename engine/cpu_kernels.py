@@ -56,6 +56,12 @@ def _arch_flags() -> list[str]:
     return []
 
 
+def chunk_attention_kernel() -> bool:
+    """Whether the library's prefill attention takes a chunk's queries together (its AVX-512 build, x86-64-v4),
+    which beats gathering the keys for torch's fused attention at every chunk length (bench/RESULTS.md, issue 17)."""
+    return "-march=x86-64-v4" in _arch_flags()
+
+
 def _flags() -> list[str]:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     # -fopenmp: at::parallel_for is an inline OpenMP region; without it every kernel ran on one thread. The library

@@ -496,6 +496,191 @@ void attend_queries(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
   });
 }
 
+#if defined(__AVX512F__)
+// ---- chunk attention: many queries of one row over its cached keys ----
+//
+// A chunk over a long cache (a question after a cached 2k-token prefix) made the per-query kernel above read every
+// key once per query and sum each dot product across a vector. Here a block of a row's consecutive queries and the
+// `group` query heads of one KV head form R = queries x group rows (row i: query i / group, head i % group) that
+// share one pass over the keys: 16 keys at a time are transposed into a tile, so each row's 16 scores are one vector
+// of fused multiply-adds with no horizontal sums; then each row's softmax over its own keys (the rest weigh 0), then
+// the weighted values added for a few rows at a time with their accumulators in registers.
+constexpr int64_t kChunkQueries = 16;  // queries a task takes: enough rows to spread a tile's transposition over
+
+struct ChunkScratch {
+  std::vector<float> q, scores, tile;
+};
+
+// scores[r * stride + 0..15] = q_r . tile for N rows q [N, d] against `tile` [d, 16] (16 keys transposed).
+template <int N>
+inline void score_tile(const float* q, int64_t d, const float* tile, float* scores, int64_t stride) {
+  __m512 acc[N];
+  for (int r = 0; r < N; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; ++i) {
+    const __m512 col = _mm512_loadu_ps(tile + 16 * i);
+    for (int r = 0; r < N; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * d + i]), col, acc[r]);
+  }
+  for (int r = 0; r < N; ++r) _mm512_storeu_ps(scores + r * stride, acc[r]);
+}
+
+inline void score_rows(const float* q, int64_t rows, int64_t d, const float* tile, float* scores, int64_t stride) {
+  int64_t r = 0;
+  for (; r + 8 <= rows; r += 8) score_tile<8>(q + r * d, d, tile, scores + r * stride, stride);
+  for (; r < rows; ++r) score_tile<1>(q + r * d, d, tile, scores + r * stride, stride);
+}
+
+// o_r += sum over keys j of p_r[j] * value_j for N rows at once (C vectors of 16 per head), keys [lo, hi) of the
+// row's block table; p [N] rows of `stride` scores, indexed from key `base`.
+template <typename T, int N, int C>
+inline void add_values(const float* p, int64_t stride, int64_t base, int64_t lo, int64_t hi, const T* v, int64_t v_s,
+                       const int32_t* table, int64_t block_size, float* out, int64_t d) {
+  __m512 acc[N][C];
+  for (int r = 0; r < N; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t pos = lo; pos < hi;) {
+    const int64_t in_block = pos % block_size, run = std::min(block_size - in_block, hi - pos);
+    const T* val = v + (static_cast<int64_t>(table[pos / block_size]) * block_size + in_block) * v_s;
+    for (int64_t t = 0; t < run; ++t, val += v_s) {
+      __m512 vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = load16(val + 16 * c);
+      const int64_t j = pos + t - base;
+      for (int r = 0; r < N; ++r) {
+        const __m512 w = _mm512_set1_ps(p[r * stride + j]);
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(w, vv[c], acc[r][c]);
+      }
+    }
+    pos += run;
+  }
+  for (int r = 0; r < N; ++r)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + r * d + 16 * c, acc[r][c]);
+}
+
+template <typename T, int C>
+void add_values_rows(const float* p, int64_t stride, int64_t base, const int64_t* row_lo, const int64_t* row_hi,
+                     int64_t rows, const T* v, int64_t v_s, const int32_t* table, int64_t block_size, float* out) {
+  constexpr int N = C <= 4 ? 4 : (C <= 8 ? 2 : 1);  // the accumulators of N rows fill at most 16 registers
+  const int64_t d = 16 * C;
+  int64_t r = 0;
+  for (; r + N <= rows; r += N) {
+    int64_t lo = row_lo[r], hi = row_hi[r];
+    for (int i = 1; i < N; ++i) lo = std::min(lo, row_lo[r + i]), hi = std::max(hi, row_hi[r + i]);
+    add_values<T, N, C>(p + r * stride, stride, base, lo, hi, v, v_s, table, block_size, out + r * d, d);
+  }
+  for (; r < rows; ++r)
+    add_values<T, 1, C>(p + r * stride, stride, base, row_lo[r], row_hi[r], v, v_s, table, block_size, out + r * d, d);
+}
+
+// Queries [0, n) of one row (q: the first query's first head of this KV head, token stride q_ts, head stride q_hs),
+// query i seeing keys [firsts[i], ends[i]) through `table` → o likewise.
+template <typename T>
+void attend_chunk(const T* q, int64_t q_ts, int64_t q_hs, const T* k, int64_t k_s, const T* v, int64_t v_s,
+                  const int32_t* table, int64_t block_size, const int64_t* firsts, const int64_t* ends, int64_t n,
+                  int64_t group, int64_t d, float scale, T* o, int64_t o_ts, int64_t o_hs, ChunkScratch& s) {
+  const int64_t rows = n * group, lo = *std::min_element(firsts, firsts + n), hi = *std::max_element(ends, ends + n);
+  const int64_t count = std::max<int64_t>(0, hi - lo), stride = (count + 15) / 16 * 16;
+  std::vector<int64_t> row_lo(rows), row_hi(rows);
+  s.q.resize(rows * d);
+  s.scores.resize(rows * stride);
+  s.tile.resize(16 * d);
+  for (int64_t i = 0; i < rows; ++i) {
+    const T* qi = q + (i / group) * q_ts + (i % group) * q_hs;
+    for (int64_t j = 0; j < d; ++j) s.q[i * d + j] = load(qi[j]) * scale;
+    row_lo[i] = firsts[i / group];
+    row_hi[i] = std::max(firsts[i / group], ends[i / group]);
+  }
+  float* tile = s.tile.data();
+  for (int64_t p = lo; p < hi; p += 16) {  // scores, 16 keys a tile
+    const int64_t keys = std::min<int64_t>(16, hi - p);
+    for (int64_t j = 0; j < 16; ++j) {
+      if (j >= keys) {
+        for (int64_t i = 0; i < d; ++i) tile[16 * i + j] = 0.f;
+        continue;
+      }
+      const int64_t pos = p + j;
+      const T* key = k + (static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size) * k_s;
+      for (int64_t i = 0; i < d; ++i) tile[16 * i + j] = load(key[i]);
+    }
+    score_rows(s.q.data(), rows, d, tile, s.scores.data() + (p - lo), stride);
+  }
+  for (int64_t i = 0; i < rows; ++i) {  // softmax over the row's own keys; the others weigh nothing
+    float* si = s.scores.data() + i * stride;
+    const int64_t a = row_lo[i] - lo, b = row_hi[i] - lo;
+    std::fill(si, si + a, 0.f);
+    std::fill(si + b, si + stride, 0.f);
+    if (a >= b) continue;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t j = a; j < b; ++j) top = std::max(top, si[j]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = a; j < b; ++j) {
+      si[j] = fast_exp(si[j] - top);
+      sum += si[j];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t j = a; j < b; ++j) si[j] *= inv;
+  }
+  float* acc = s.q.data();  // the scaled queries are done with: their rows take the outputs
+  switch (d / 16) {
+    case 4: add_values_rows<T, 4>(s.scores.data(), stride, lo, row_lo.data(), row_hi.data(), rows, v, v_s, table, block_size, acc); break;
+    case 8: add_values_rows<T, 8>(s.scores.data(), stride, lo, row_lo.data(), row_hi.data(), rows, v, v_s, table, block_size, acc); break;
+    default: add_values_rows<T, 16>(s.scores.data(), stride, lo, row_lo.data(), row_hi.data(), rows, v, v_s, table, block_size, acc); break;
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    T* oi = o + (i / group) * o_ts + (i % group) * o_hs;
+    if (row_lo[i] >= row_hi[i]) {  // no key: a padding query
+      std::fill_n(oi, d, store<T>(0.f));
+      continue;
+    }
+    for (int64_t j = 0; j < d; ++j) oi[j] = store<T>(acc[i * d + j]);
+  }
+}
+
+inline bool chunk_kernel_serves(int64_t d) { return d == 64 || d == 128 || d == 256; }
+
+// The chunk rows of a prefill call: tasks of (row, block of kChunkQueries consecutive queries, KV head).
+template <typename T>
+void attend_chunks(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const int32_t* tables,
+                   int64_t table_stride, const std::vector<std::array<int64_t, 4>>& queries, int64_t block_size,
+                   float scale, at::Tensor& out) {
+  const int64_t h = q.size(1), d = q.size(2), kvh = keys.size(0), group = h / kvh;
+  std::vector<std::array<int64_t, 2>> blocks;  // [first query, end query) of `queries`, one row's consecutive ones
+  int64_t longest = 1;
+  for (int64_t i = 0; i < static_cast<int64_t>(queries.size());) {
+    int64_t j = i + 1;
+    while (j < static_cast<int64_t>(queries.size()) && j - i < kChunkQueries && queries[j][1] == queries[i][1] &&
+           queries[j][0] == queries[j - 1][0] + 1)
+      ++j;
+    blocks.push_back({i, j});
+    longest = std::max<int64_t>(longest, queries[j - 1][3] - queries[i][2]);
+    i = j;
+  }
+  const int64_t n = static_cast<int64_t>(blocks.size());
+  const T* q_p = q.data_ptr<T>();
+  const T* k_p = keys.data_ptr<T>();
+  const T* v_p = values.data_ptr<T>();
+  T* o_p = out.data_ptr<T>();
+  at::parallel_for(0, n * kvh, grain(n * kvh, longest * d * group * kChunkQueries), [&](int64_t begin, int64_t end) {
+    static thread_local ChunkScratch scratch;
+    std::vector<int64_t> firsts, ends;
+    for (int64_t task = begin; task < end; ++task) {
+      const auto& block = blocks[task / kvh];
+      const int64_t kh = task % kvh, first = queries[block[0]][0], table_row = queries[block[0]][1];
+      firsts.clear();
+      ends.clear();
+      for (int64_t i = block[0]; i < block[1]; ++i) {
+        firsts.push_back(queries[i][2]);
+        ends.push_back(queries[i][3]);
+      }
+      attend_chunk<T>(q_p + first * q.stride(0) + kh * group * q.stride(1), q.stride(0), q.stride(1),
+                      k_p + kh * keys.stride(0), keys.stride(1), v_p + kh * values.stride(0), values.stride(1),
+                      tables + table_row * table_stride, block_size, firsts.data(), ends.data(), block[1] - block[0],
+                      group, d, scale, o_p + first * out.stride(0) + kh * group * out.stride(1), out.stride(0),
+                      out.stride(1), scratch);
+    }
+  });
+}
+#endif
+
 void check_pool(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t block_size) {
   check_rows(q, "q");
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && keys.sizes() == values.sizes(),
@@ -572,6 +757,16 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& keys, 
       queries.push_back({start + t, r, window > 0 ? std::max<int64_t>(0, end - window) : 0, end});
     }
   }
+#if defined(__AVX512F__)
+  if (chunk_kernel_serves(q.size(2))) {
+    AT_DISPATCH_SWITCH(q.scalar_type(), "emberserve_prefill_attention",
+      AT_DISPATCH_CASE(at::kFloat, [&] { attend_chunks<float>(q, keys, values, tp, width, queries, block_size, scale, out); })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
+        attend_chunks<c10::BFloat16>(q, keys, values, tp, width, queries, block_size, scale, out);
+      }));
+    return out;
+  }
+#endif
   AT_DISPATCH_SWITCH(q.scalar_type(), "emberserve_prefill_attention",
     AT_DISPATCH_CASE(at::kFloat, [&] { attend_queries<float>(q, keys, values, tp, width, queries, block_size, scale, out); })
     AT_DISPATCH_CASE(at::kBFloat16, [&] {
