@@ -69,7 +69,8 @@ class Settings(BaseSettings):
         None, description="tokens per forward pass; longer prompts are prefilled in chunks (default: 512 on CPU, "
                           "8192 on a GPU or for an encoder model, which has no decoding to keep flowing)")
     cuda_graphs: bool = Field(
-        True, description="on a GPU, run decode steps as CUDA graphs captured at start-up per batch-size bucket")
+        True, description="on a GPU, run decode steps and prompt chunks as CUDA graphs captured at start-up per "
+                          "batch-size and chunk-length bucket")
     dense_prefill: bool | None = Field(
         None, description="with int4/int8 weights, also keep a bfloat16 copy of the layer weights for prompts, for 2 "
                           "bytes per weight more memory (default: where it is faster, i.e. unless the int8 "
