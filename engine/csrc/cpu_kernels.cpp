@@ -32,6 +32,7 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -509,6 +510,7 @@ constexpr int64_t kChunkQueries = 16;  // queries a task takes: enough rows to s
 
 struct ChunkScratch {
   std::vector<float> q, scores, tile;
+  std::vector<uint32_t> qw, tile_words;
 };
 
 // scores[r * stride + 0..15] = q_r . tile for N rows q [N, d] against `tile` [d, 16] (16 keys transposed).
@@ -527,6 +529,66 @@ inline void score_rows(const float* q, int64_t rows, int64_t d, const float* til
   int64_t r = 0;
   for (; r + 8 <= rows; r += 8) score_tile<8>(q + r * d, d, tile, scores + r * stride, stride);
   for (; r < rows; ++r) score_tile<1>(q + r * d, d, tile, scores + r * stride, stride);
+}
+
+// The same for bfloat16 queries and keys on a CPU with AVX512_BF16: `tile` holds 16 keys as pairs of bfloat16 (32-bit
+// words: word w of key j at tile[16 * w + j]), `q` the rows' words likewise ([rows, d / 2]); `vdpbf16ps` multiplies
+// a pair per lane and adds both products in float32, so a tile costs half the instructions. Scores come unscaled.
+#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+template <int N>
+BF16_TARGET inline void score_tile_bf16(const uint32_t* q, int64_t words, const uint32_t* tile, float* scores,
+                                        int64_t stride) {
+  __m512 acc[N];
+  for (int r = 0; r < N; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t w = 0; w < words; ++w) {
+    const __m512bh col = (__m512bh)_mm512_loadu_si512(tile + 16 * w);
+    for (int r = 0; r < N; ++r)
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r * words + w])), col);
+  }
+  for (int r = 0; r < N; ++r) _mm512_storeu_ps(scores + r * stride, acc[r]);
+}
+
+BF16_TARGET void score_rows_bf16(const uint32_t* q, int64_t rows, int64_t words, const uint32_t* tile, float* scores,
+                                 int64_t stride) {
+  int64_t r = 0;
+  for (; r + 8 <= rows; r += 8) score_tile_bf16<8>(q + r * words, words, tile, scores + r * stride, stride);
+  for (; r < rows; ++r) score_tile_bf16<1>(q + r * words, words, tile, scores + r * stride, stride);
+}
+
+inline bool has_bf16_dot() {
+  static const bool yes = __builtin_cpu_supports("avx512bf16");
+  return yes;
+}
+
+// Scores [rows, stride] of bfloat16 queries q (rows as in attend_chunk) over keys [lo, hi), through vdpbf16ps.
+inline void score_chunk_bf16(const c10::BFloat16* q, int64_t q_ts, int64_t q_hs, int64_t group, int64_t rows,
+                             const c10::BFloat16* k, int64_t k_s, const int32_t* table, int64_t block_size, int64_t lo,
+                             int64_t hi, int64_t d, float scale, std::vector<uint32_t>& qw, std::vector<uint32_t>& tile,
+                             float* scores, int64_t stride) {
+  const int64_t words = d / 2;
+  qw.resize(rows * words);
+  tile.resize(16 * words);
+  for (int64_t i = 0; i < rows; ++i)
+    std::memcpy(qw.data() + i * words, q + (i / group) * q_ts + (i % group) * q_hs, d * sizeof(c10::BFloat16));
+  for (int64_t p = lo; p < hi; p += 16) {
+    const int64_t keys = std::min<int64_t>(16, hi - p);
+    for (int64_t j = 0; j < 16; ++j) {
+      if (j >= keys) {
+        for (int64_t w = 0; w < words; ++w) tile[16 * w + j] = 0;
+        continue;
+      }
+      const int64_t pos = p + j;
+      const auto* key = reinterpret_cast<const uint32_t*>(
+          k + (static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size) * k_s);
+      for (int64_t w = 0; w < words; ++w) tile[16 * w + j] = key[w];
+    }
+    score_rows_bf16(qw.data(), rows, words, tile.data(), scores + (p - lo), stride);
+  }
+  const int64_t count = hi - lo;
+  for (int64_t i = 0; i < rows; ++i) {
+    float* si = scores + i * stride;
+    for (int64_t j = 0; j < count; ++j) si[j] *= scale;
+  }
 }
 
 // o_r += sum over keys j of p_r[j] * value_j for N rows at once (C vectors of 16 per head), keys [lo, hi) of the
@@ -589,6 +651,13 @@ void attend_chunk(const T* q, int64_t q_ts, int64_t q_hs, const T* k, int64_t k_
     row_hi[i] = std::max(firsts[i / group], ends[i / group]);
   }
   float* tile = s.tile.data();
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (has_bf16_dot()) {
+      score_chunk_bf16(q, q_ts, q_hs, group, rows, k, k_s, table, block_size, lo, hi, d, scale, s.qw, s.tile_words,
+                       s.scores.data(), stride);
+      goto softmax;
+    }
+  }
   for (int64_t p = lo; p < hi; p += 16) {  // scores, 16 keys a tile
     const int64_t keys = std::min<int64_t>(16, hi - p);
     for (int64_t j = 0; j < 16; ++j) {
@@ -602,6 +671,7 @@ void attend_chunk(const T* q, int64_t q_ts, int64_t q_hs, const T* k, int64_t k_
     }
     score_rows(s.q.data(), rows, d, tile, s.scores.data() + (p - lo), stride);
   }
+softmax:
   for (int64_t i = 0; i < rows; ++i) {  // softmax over the row's own keys; the others weigh nothing
     float* si = s.scores.data() + i * stride;
     const int64_t a = row_lo[i] - lo, b = row_hi[i] - lo;
