@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from .batch import DENSE_MIN_ROWS, ForwardBatch, StepRow
-from .cuda_graphs import DecodeGraphs, bucket_of
+from .cuda_graphs import DecodeGraphs, bucket_of, capture_buckets
 from .kv_cache import PagedKVCache
 
 log = logging.getLogger("emberserve.engine")
@@ -82,6 +82,10 @@ class ChunkStaging:
         self._table[:blocks] = table[:blocks]
         self._table[blocks:] = table[0]  # a valid block, never read past the row's keys
 
+    def pad(self, block_size: int) -> None:
+        """All padding (what a capture runs over)."""
+        self.fill(None, block_size)
+
     def upload(self) -> None:
         self.device.copy_(self.host, non_blocking=True)
         if self._sent is not None:
@@ -116,23 +120,7 @@ class ChunkGraphs:
     def capture(self) -> float:
         """Capture every bucket's graph, largest first, in one memory pool of their own; returns the seconds."""
         started = time.perf_counter()
-        pool = None
-        for bucket in reversed(self.buckets):
-            staging = self._staging[bucket]
-            staging.fill(None, self.block_size)
-            staging.upload()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks its kernels
-                for _ in range(2):
-                    self.model(staging.batch(self.block_size), self.cache)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self.model(staging.batch(self.block_size), self.cache)
-            pool = graph.pool()
-            self._graphs[bucket] = (graph, logits)
-        torch.cuda.synchronize()
+        self._graphs = capture_buckets(self.model, self.cache, self._staging, self.block_size)
         took = time.perf_counter() - started
         log.info("captured CUDA graphs for prompt chunks of %s tokens in %.1f s",
                  ", ".join(map(str, self.buckets)), took)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -72,6 +73,10 @@ class StepStaging:
         self._slots[n:] = self.trash_slot
         self._lens[n:] = 0
 
+    def pad(self, block_size: int) -> None:
+        """Every row padding (what a capture runs over)."""
+        self.fill([], block_size)
+
     def upload(self) -> None:
         self.device.copy_(self.host, non_blocking=True)
 
@@ -105,23 +110,7 @@ class DecodeGraphs:
     def capture(self) -> float:
         """Capture every bucket's graph, largest first (they share one memory pool); returns the seconds it took."""
         started = time.perf_counter()
-        pool = None
-        for bucket in reversed(self.buckets):
-            staging = self._staging[bucket]
-            staging.fill([], self.block_size)
-            staging.upload()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks its kernels
-                for _ in range(2):
-                    self.model(staging.batch(self.block_size), self.cache)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self.model(staging.batch(self.block_size), self.cache)
-            pool = graph.pool()
-            self._graphs[bucket] = (graph, logits)
-        torch.cuda.synchronize()
+        self._graphs = capture_buckets(self.model, self.cache, self._staging, self.block_size)
         took = time.perf_counter() - started
         log.info("captured CUDA graphs for decode batches of %s rows in %.1f s",
                  ", ".join(map(str, self.buckets)), took)
@@ -143,9 +132,34 @@ class DecodeGraphs:
         return logits[:len(rows)]
 
 
+def capture_buckets(model: torch.nn.Module, cache: PagedKVCache, stagings: dict[int, Any],
+                    block_size: int) -> dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
+    """The model's forward over each staging's static batch (all padding while captured), captured as a CUDA graph,
+    largest bucket first, the graphs sharing one memory pool: {bucket: (graph, its logits)}."""
+    graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+    pool = None
+    for bucket in sorted(stagings, reverse=True):
+        staging = stagings[bucket]
+        staging.pad(block_size)
+        staging.upload()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks its kernels
+            for _ in range(2):
+                model(staging.batch(block_size), cache)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits = model(staging.batch(block_size), cache)
+        pool = graph.pool()
+        graphs[bucket] = (graph, logits)
+    torch.cuda.synchronize()
+    return graphs
+
+
 def table_width(context_size: int, block_size: int) -> int:
     """Blocks a sequence of the whole context holds: the static width of a bucket's block tables."""
     return -(-context_size // block_size)
 
 
-__all__ = ["BUCKETS", "DecodeGraphs", "StepStaging", "bucket_of", "buckets_for", "table_width"]
+__all__ = ["BUCKETS", "DecodeGraphs", "StepStaging", "bucket_of", "buckets_for", "capture_buckets", "table_width"]

@@ -134,3 +134,15 @@ def test_a_graph_step_leaves_other_steps_to_the_eager_path() -> None:
     assert not step.serves([_row(1, 0, 8)] * (MAX_CHUNKS + 1))
     assert not step.serves([_row(1, 3, 4)] * 5 + [_row(1, 0, 8)])  # more decode rows than the largest bucket
     assert not GraphStep(_Decode(), None).serves([_row(1, 0, 8)])
+
+
+def test_a_padded_chunk_bucket_claims_no_query() -> None:
+    """What a capture runs over: every token padding (token 0 at position 0 into the spare slot), no query claimed."""
+    staging = ChunkStaging(16, 4, 99, torch.device("cpu"))
+    seq = KVSequence(list(range(1, 11)))
+    seq.block_table = [3]
+    staging.fill(StepRow(seq, 0, 10), 16)
+    staging.pad(16)
+    t = staging.host.tolist()
+    assert t[:16] == [0] * 16 and t[16:32] == [0] * 16 and t[32:48] == [99] * 16
+    assert t[48:51] == [0, 0, 0]
