@@ -27,10 +27,13 @@ from .cpu_kernels import chunk_attention_kernel
 # are laid out right after the decode rows and take the packed kernels with them.
 DENSE_MIN_ROWS = 32
 # A chunk over cached blocks takes the compiled CPU attention kernel (keys read in place) while its queries times
-# keys are at most this. Built for AVX-512 the kernel takes a chunk's queries together and wins at every size (None:
-# no bound); one query at a time, past this a gather and torch's fused attention win (a 12-token question after a
-# 2,048-token cached prefix: bench/RESULTS.md, issue 17). Decode rows always take the kernel.
-CPU_PAGED_MAX_CHUNK_WORK: int | None = None if chunk_attention_kernel() else 8192
+# keys are at most this: one query at a time, past it a gather and torch's fused attention win (a 12-token question
+# after a 2,048-token cached prefix: bench/RESULTS.md, issue 17). Built for AVX-512 the kernel takes the queries of
+# a chunk of at least CPU_CHUNK_KERNEL_QUERIES together and wins at every size. Decode rows always take the kernel.
+CPU_PAGED_MAX_CHUNK_WORK = 8192
+# (fewer keep the one-query path, whose arithmetic is the decode rows': speculative verification rows, at most 17
+# tokens, must give the logits decode steps give; the same bound as kChunkMinQueries in engine/csrc/cpu_kernels.cpp)
+CPU_CHUNK_KERNEL_QUERIES: int | None = 18 if chunk_attention_kernel() else None
 
 
 class StepRow(NamedTuple):
@@ -154,7 +157,9 @@ def build_batch(rows: list[StepRow], block_size: int, window: int | None, device
     fresh_paged = paged and len(prefill_rows) > 1
     for row in prefill_rows:
         begin = begins[id(row)]
-        small = CPU_PAGED_MAX_CHUNK_WORK is None or (row.end - row.start) * row.end <= CPU_PAGED_MAX_CHUNK_WORK
+        n = row.end - row.start
+        small = n * row.end <= CPU_PAGED_MAX_CHUNK_WORK or (CPU_CHUNK_KERNEL_QUERIES is not None
+                                                            and n >= CPU_CHUNK_KERNEL_QUERIES)
         if (row.start > 0 or fresh_paged) and (paged or (paged_decode and small)):  # one paged prefill call
             cached.append((begin, row))
             continue

@@ -507,6 +507,10 @@ void attend_queries(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
 // of fused multiply-adds with no horizontal sums; then each row's softmax over its own keys (the rest weigh 0), then
 // the weighted values added for a few rows at a time with their accumulators in registers.
 constexpr int64_t kChunkQueries = 16;  // queries a task takes: enough rows to spread a tile's transposition over
+// Rows of fewer queries keep the one-query-at-a-time path, whose arithmetic is the decode rows' own: a speculative
+// verification row (at most 16 drafts and the last token) must give each token the logits a decode step gives it,
+// or greedy outputs would change with speculation.
+constexpr int64_t kChunkMinQueries = 18;
 
 struct ChunkScratch {
   std::vector<float> q, scores, tile;
@@ -828,11 +832,18 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& keys, 
     }
   }
 #if defined(__AVX512F__)
-  if (chunk_kernel_serves(q.size(2))) {
+  if (chunk_kernel_serves(q.size(2))) {  // the rows of many queries through the chunk kernel, the others below
+    std::vector<std::array<int64_t, 4>> many, few;
+    for (const auto& query : queries)
+      (qlens.data_ptr<int32_t>()[query[1]] >= kChunkMinQueries ? many : few).push_back(query);
     AT_DISPATCH_SWITCH(q.scalar_type(), "emberserve_prefill_attention",
-      AT_DISPATCH_CASE(at::kFloat, [&] { attend_chunks<float>(q, keys, values, tp, width, queries, block_size, scale, out); })
+      AT_DISPATCH_CASE(at::kFloat, [&] {
+        if (!many.empty()) attend_chunks<float>(q, keys, values, tp, width, many, block_size, scale, out);
+        if (!few.empty()) attend_queries<float>(q, keys, values, tp, width, few, block_size, scale, out);
+      })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
-        attend_chunks<c10::BFloat16>(q, keys, values, tp, width, queries, block_size, scale, out);
+        if (!many.empty()) attend_chunks<c10::BFloat16>(q, keys, values, tp, width, many, block_size, scale, out);
+        if (!few.empty()) attend_queries<c10::BFloat16>(q, keys, values, tp, width, few, block_size, scale, out);
       }));
     return out;
   }
