@@ -497,7 +497,6 @@ void attend_queries(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
   });
 }
 
-#if defined(__AVX512F__)
 // ---- chunk attention: many queries of one row over its cached keys ----
 //
 // A chunk over a long cache (a question after a cached 2k-token prefix) made the per-query kernel above read every
@@ -512,10 +511,28 @@ constexpr int64_t kChunkQueries = 16;  // queries a task takes: enough rows to s
 // or greedy outputs would change with speculation.
 constexpr int64_t kChunkMinQueries = 18;
 
+#if defined(__AVX512F__)
 struct ChunkScratch {
   std::vector<float> q, scores, tile;
   std::vector<uint32_t> qw, tile_words;
 };
+
+// tile[16 * i + j] = convert(element i of key j) for the 16 keys from position p (zeros past `hi`): keys transposed,
+// `width` elements of `key_stride` apart per key, found through the row's block table.
+template <typename E, typename S, typename Convert>
+inline void transpose_keys(E* tile, int64_t width, const S* keys, int64_t key_stride, const int32_t* table,
+                           int64_t block_size, int64_t p, int64_t hi, Convert convert) {
+  const int64_t count = std::min<int64_t>(16, hi - p);
+  for (int64_t j = 0; j < 16; ++j) {
+    if (j >= count) {
+      for (int64_t i = 0; i < width; ++i) tile[16 * i + j] = E(0);
+      continue;
+    }
+    const int64_t pos = p + j;
+    const S* key = keys + (static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size) * key_stride;
+    for (int64_t i = 0; i < width; ++i) tile[16 * i + j] = convert(key[i]);
+  }
+}
 
 // scores[r * stride + 0..15] = q_r . tile for N rows q [N, d] against `tile` [d, 16] (16 keys transposed).
 template <int N>
@@ -564,34 +581,39 @@ inline bool has_bf16_dot() {
   return yes;
 }
 
-// Scores [rows, stride] of bfloat16 queries q (rows as in attend_chunk) over keys [lo, hi), through vdpbf16ps.
-inline void score_chunk_bf16(const c10::BFloat16* q, int64_t q_ts, int64_t q_hs, int64_t group, int64_t rows,
-                             const c10::BFloat16* k, int64_t k_s, const int32_t* table, int64_t block_size, int64_t lo,
-                             int64_t hi, int64_t d, float scale, std::vector<uint32_t>& qw, std::vector<uint32_t>& tile,
-                             float* scores, int64_t stride) {
-  const int64_t words = d / 2;
-  qw.resize(rows * words);
-  tile.resize(16 * words);
-  for (int64_t i = 0; i < rows; ++i)
-    std::memcpy(qw.data() + i * words, q + (i / group) * q_ts + (i % group) * q_hs, d * sizeof(c10::BFloat16));
-  for (int64_t p = lo; p < hi; p += 16) {
-    const int64_t keys = std::min<int64_t>(16, hi - p);
-    for (int64_t j = 0; j < 16; ++j) {
-      if (j >= keys) {
-        for (int64_t w = 0; w < words; ++w) tile[16 * w + j] = 0;
-        continue;
+// Scores [rows, stride] of the chunk's query rows (rows as in attend_chunk) over keys [lo, hi): float32 products,
+// or on a CPU with AVX512_BF16 bfloat16 pairs through vdpbf16ps (the queries and keys as they are, scaled after).
+template <typename T>
+void score_chunk(const T* q, int64_t q_ts, int64_t q_hs, int64_t group, int64_t rows, const T* k, int64_t k_s,
+                 const int32_t* table, int64_t block_size, int64_t lo, int64_t hi, int64_t d, float scale,
+                 ChunkScratch& s, float* scores, int64_t stride) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (has_bf16_dot()) {
+      const int64_t words = d / 2;  // the keys' slot stride is d: even, so a key is whole 32-bit words
+      s.qw.resize(rows * words);
+      s.tile_words.resize(16 * words);
+      for (int64_t i = 0; i < rows; ++i)
+        std::memcpy(s.qw.data() + i * words, q + (i / group) * q_ts + (i % group) * q_hs, d * sizeof(T));
+      const auto* key_words = reinterpret_cast<const uint32_t*>(k);
+      for (int64_t p = lo; p < hi; p += 16) {
+        transpose_keys(s.tile_words.data(), words, key_words, k_s / 2, table, block_size, p, hi,
+                       [](uint32_t w) { return w; });
+        score_rows_bf16(s.qw.data(), rows, words, s.tile_words.data(), scores + (p - lo), stride);
       }
-      const int64_t pos = p + j;
-      const auto* key = reinterpret_cast<const uint32_t*>(
-          k + (static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size) * k_s);
-      for (int64_t w = 0; w < words; ++w) tile[16 * w + j] = key[w];
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t j = 0; j < hi - lo; ++j) scores[i * stride + j] *= scale;
+      return;
     }
-    score_rows_bf16(qw.data(), rows, words, tile.data(), scores + (p - lo), stride);
   }
-  const int64_t count = hi - lo;
+  s.q.resize(rows * d);
+  s.tile.resize(16 * d);
   for (int64_t i = 0; i < rows; ++i) {
-    float* si = scores + i * stride;
-    for (int64_t j = 0; j < count; ++j) si[j] *= scale;
+    const T* qi = q + (i / group) * q_ts + (i % group) * q_hs;
+    for (int64_t j = 0; j < d; ++j) s.q[i * d + j] = load(qi[j]) * scale;
+  }
+  for (int64_t p = lo; p < hi; p += 16) {
+    transpose_keys(s.tile.data(), d, k, k_s, table, block_size, p, hi, [](T x) { return load(x); });
+    score_rows(s.q.data(), rows, d, s.tile.data(), scores + (p - lo), stride);
   }
 }
 
@@ -645,37 +667,12 @@ void attend_chunk(const T* q, int64_t q_ts, int64_t q_hs, const T* k, int64_t k_
   const int64_t rows = n * group, lo = *std::min_element(firsts, firsts + n), hi = *std::max_element(ends, ends + n);
   const int64_t count = std::max<int64_t>(0, hi - lo), stride = (count + 15) / 16 * 16;
   std::vector<int64_t> row_lo(rows), row_hi(rows);
-  s.q.resize(rows * d);
-  s.scores.resize(rows * stride);
-  s.tile.resize(16 * d);
   for (int64_t i = 0; i < rows; ++i) {
-    const T* qi = q + (i / group) * q_ts + (i % group) * q_hs;
-    for (int64_t j = 0; j < d; ++j) s.q[i * d + j] = load(qi[j]) * scale;
     row_lo[i] = firsts[i / group];
     row_hi[i] = std::max(firsts[i / group], ends[i / group]);
   }
-  float* tile = s.tile.data();
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (has_bf16_dot()) {
-      score_chunk_bf16(q, q_ts, q_hs, group, rows, k, k_s, table, block_size, lo, hi, d, scale, s.qw, s.tile_words,
-                       s.scores.data(), stride);
-      goto softmax;
-    }
-  }
-  for (int64_t p = lo; p < hi; p += 16) {  // scores, 16 keys a tile
-    const int64_t keys = std::min<int64_t>(16, hi - p);
-    for (int64_t j = 0; j < 16; ++j) {
-      if (j >= keys) {
-        for (int64_t i = 0; i < d; ++i) tile[16 * i + j] = 0.f;
-        continue;
-      }
-      const int64_t pos = p + j;
-      const T* key = k + (static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size) * k_s;
-      for (int64_t i = 0; i < d; ++i) tile[16 * i + j] = load(key[i]);
-    }
-    score_rows(s.q.data(), rows, d, tile, s.scores.data() + (p - lo), stride);
-  }
-softmax:
+  s.scores.resize(rows * stride);
+  score_chunk(q, q_ts, q_hs, group, rows, k, k_s, table, block_size, lo, hi, d, scale, s, s.scores.data(), stride);
   for (int64_t i = 0; i < rows; ++i) {  // softmax over the row's own keys; the others weigh nothing
     float* si = s.scores.data() + i * stride;
     const int64_t a = row_lo[i] - lo, b = row_hi[i] - lo;
@@ -693,7 +690,8 @@ softmax:
     const float inv = 1.f / sum;
     for (int64_t j = a; j < b; ++j) si[j] *= inv;
   }
-  float* acc = s.q.data();  // the scaled queries are done with: their rows take the outputs
+  s.q.resize(rows * d);
+  float* acc = s.q.data();  // the float queries (if any) are done with: their rows take the outputs
   switch (d / 16) {
     case 4: add_values_rows<T, 4>(s.scores.data(), stride, lo, row_lo.data(), row_hi.data(), rows, v, v_s, table, block_size, acc); break;
     case 8: add_values_rows<T, 8>(s.scores.data(), stride, lo, row_lo.data(), row_hi.data(), rows, v, v_s, table, block_size, acc); break;
@@ -709,7 +707,17 @@ softmax:
   }
 }
 
-inline bool chunk_kernel_serves(int64_t d) { return d == 64 || d == 128 || d == 256; }
+#endif
+
+inline bool chunk_kernel_serves(int64_t d) {
+#if defined(__AVX512F__)
+  return d == 64 || d == 128 || d == 256;
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX512F__)
 
 // The chunk rows of a prefill call: tasks of (row, block of kChunkQueries consecutive queries, KV head).
 template <typename T>
@@ -752,6 +760,12 @@ void attend_chunks(const at::Tensor& q, const at::Tensor& keys, const at::Tensor
                       out.stride(1), scratch);
     }
   });
+}
+#else
+template <typename T>  // never called: chunk_kernel_serves is false without AVX-512
+void attend_chunks(const at::Tensor&, const at::Tensor&, const at::Tensor&, const int32_t*, int64_t,
+                   const std::vector<std::array<int64_t, 4>>&, int64_t, float, at::Tensor&) {
+  TORCH_CHECK(false, "the chunk attention kernel needs an AVX-512 build");
 }
 #endif
 
@@ -831,27 +845,19 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& keys, 
       queries.push_back({start + t, r, window > 0 ? std::max<int64_t>(0, end - window) : 0, end});
     }
   }
-#if defined(__AVX512F__)
-  if (chunk_kernel_serves(q.size(2))) {  // the rows of many queries through the chunk kernel, the others below
-    std::vector<std::array<int64_t, 4>> many, few;
-    for (const auto& query : queries)
-      (qlens.data_ptr<int32_t>()[query[1]] >= kChunkMinQueries ? many : few).push_back(query);
-    AT_DISPATCH_SWITCH(q.scalar_type(), "emberserve_prefill_attention",
-      AT_DISPATCH_CASE(at::kFloat, [&] {
-        if (!many.empty()) attend_chunks<float>(q, keys, values, tp, width, many, block_size, scale, out);
-        if (!few.empty()) attend_queries<float>(q, keys, values, tp, width, few, block_size, scale, out);
-      })
-      AT_DISPATCH_CASE(at::kBFloat16, [&] {
-        if (!many.empty()) attend_chunks<c10::BFloat16>(q, keys, values, tp, width, many, block_size, scale, out);
-        if (!few.empty()) attend_queries<c10::BFloat16>(q, keys, values, tp, width, few, block_size, scale, out);
-      }));
-    return out;
-  }
-#endif
+  // Rows of many queries through the chunk kernel where it serves, the others (and all elsewhere) one at a time.
+  std::vector<std::array<int64_t, 4>> many, few;
+  const bool chunks = chunk_kernel_serves(q.size(2));
+  for (const auto& query : queries)
+    (chunks && qlens.data_ptr<int32_t>()[query[1]] >= kChunkMinQueries ? many : few).push_back(query);
   AT_DISPATCH_SWITCH(q.scalar_type(), "emberserve_prefill_attention",
-    AT_DISPATCH_CASE(at::kFloat, [&] { attend_queries<float>(q, keys, values, tp, width, queries, block_size, scale, out); })
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      if (!many.empty()) attend_chunks<float>(q, keys, values, tp, width, many, block_size, scale, out);
+      if (!few.empty()) attend_queries<float>(q, keys, values, tp, width, few, block_size, scale, out);
+    })
     AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      attend_queries<c10::BFloat16>(q, keys, values, tp, width, queries, block_size, scale, out);
+      if (!many.empty()) attend_chunks<c10::BFloat16>(q, keys, values, tp, width, many, block_size, scale, out);
+      if (!few.empty()) attend_queries<c10::BFloat16>(q, keys, values, tp, width, few, block_size, scale, out);
     }));
   return out;
 }
