@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from .batch import DENSE_MIN_ROWS, ForwardBatch, StepRow
-from .cuda_graphs import DecodeGraphs, bucket_of, capture_buckets
+from .cuda_graphs import DecodeGraphs, bucket_of, capture_buckets, is_decode_row
 from .kv_cache import PagedKVCache
 
 log = logging.getLogger("emberserve.engine")
@@ -150,7 +150,7 @@ class GraphStep:
     def serves(self, rows: Sequence[StepRow]) -> bool:
         if self.decode.serves(rows):
             return True
-        chunks = [r for r in rows if r.end - r.start > 1 or r.logits != "last"]
+        chunks = [r for r in rows if not is_decode_row(r)]
         decoding = len(rows) - len(chunks)
         return (self.chunks is not None and 0 < len(chunks) <= MAX_CHUNKS and decoding <= self.decode.max_batch
                 and all(self.chunks.serves(r) for r in chunks))
@@ -159,9 +159,9 @@ class GraphStep:
         """Float32 logits for the rows' "last" positions in the rows' order (what an eager step returns)."""
         if self.decode.serves(rows):
             return self.decode.run(rows)
-        decode_rows = [r for r in rows if r.end - r.start == 1 and r.logits == "last"]
+        decode_rows = [r for r in rows if is_decode_row(r)]
         pieces = [self.decode.run(decode_rows)] if decode_rows else []
-        chunks = [r for r in rows if not (r.end - r.start == 1 and r.logits == "last")]
+        chunks = [r for r in rows if not is_decode_row(r)]
         buckets = [bucket_of(r.end - r.start, self.chunks.buckets) for r in chunks]
         chunk_piece: dict[int, int] = {}  # a chunk's place among the pieces
         logits = None
@@ -175,7 +175,7 @@ class GraphStep:
             return logits.new_empty((0, logits.shape[1]))
         order, next_decode = [], 0  # for each row with logits, its row among the concatenated pieces
         for row in rows:
-            if row.end - row.start == 1 and row.logits == "last":
+            if is_decode_row(row):
                 order.append(next_decode)
                 next_decode += 1
             elif row.logits == "last":

@@ -34,6 +34,11 @@ def buckets_for(max_batch: int) -> list[int]:
     return out
 
 
+def is_decode_row(row: StepRow) -> bool:
+    """A row the decode graphs take: one new token, its next-token logits."""
+    return row.end - row.start == 1 and row.logits == "last"
+
+
 def bucket_of(rows: int, buckets: Sequence[int]) -> int | None:
     """The smallest bucket holding `rows`, or None when none does."""
     return next((b for b in buckets if b >= rows), None)
@@ -119,7 +124,7 @@ class DecodeGraphs:
     def serves(self, rows: Sequence[StepRow]) -> bool:
         """Whether a step of `rows` replays a graph: decode rows only ("last" logits), within the largest bucket."""
         return (bool(self._graphs) and len(rows) <= self.max_batch
-                and all(r.end - r.start == 1 and r.logits == "last" for r in rows))
+                and all(map(is_decode_row, rows)))
 
     def run(self, rows: Sequence[StepRow]) -> torch.Tensor:
         """Logits [len(rows), vocab] of a decode step (a view of the graph's output, valid until the next replay)."""
@@ -162,4 +167,5 @@ def table_width(context_size: int, block_size: int) -> int:
     return -(-context_size // block_size)
 
 
-__all__ = ["BUCKETS", "DecodeGraphs", "StepStaging", "bucket_of", "buckets_for", "capture_buckets", "table_width"]
+__all__ = ["BUCKETS", "DecodeGraphs", "StepStaging", "bucket_of", "buckets_for", "capture_buckets", "is_decode_row",
+           "table_width"]
