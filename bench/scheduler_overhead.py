@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import gc
 import pstats
 import sys
 import time
@@ -88,6 +89,8 @@ def main() -> None:
                     help="a known name or a path (a small vocabulary keeps the CPU's argmax out of the figure)")
     args = ap.parse_args()
     runner = load_runner(args.model, kv_cache_memory=1 << 30)
+    gc.collect()
+    gc.freeze()  # as the server's WorkerPool does when serving starts
     print("| batch | greedy µs / sequence / step | sampled (T 0.8, top-p 0.95, seed) |")
     print("|---|---|---|")
     for b in args.batches:

@@ -1,6 +1,7 @@
 """`Worker`: a thread that owns a Runner and its Scheduler; `WorkerPool`: routing and the bounded queue."""
 from __future__ import annotations
 
+import gc
 import logging
 import queue
 import threading
@@ -159,12 +160,18 @@ class WorkerPool:
         self.workers, self.max_queued = workers, max_queued
 
     def start(self) -> None:
+        # What is alive when serving starts (torch, the model, the tokenizer: a few hundred thousand objects) lives
+        # as long as the server. Left to the collector, each full collection walks all of it with the GIL held, a
+        # stall of every stream (bench/RESULTS.md, issue 13); frozen, the collector looks only at what came since.
+        gc.collect()
+        gc.freeze()
         for w in self.workers:
             w.start()
 
     def stop(self) -> None:
         for w in self.workers:
             w.stop()
+        gc.unfreeze()  # a process that serves again (tests, the Generator API) lets the collector free this one
         for w in self.workers:  # a tensor-parallel runner's ranks: stopped from here once its thread has ended
             if not w.alive:
                 w.runner.close()

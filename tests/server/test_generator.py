@@ -5,6 +5,7 @@ GenerationErrors; and the builder with the sync wrapper loads the real model onc
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
@@ -213,3 +214,17 @@ def test_the_builder_and_the_sync_wrapper_serve_the_real_model(smollm: Runner, r
         assert runner.blocks.num_used == 0
     with pytest.raises(GenerationError, match="closed"):
         asyncio.run(gen.generator.generate(prompt))
+
+
+def test_serving_freezes_the_heap_it_starts_with_and_a_stopped_pool_lets_it_go(smollm: Runner) -> None:
+    """The collector's full collections do not walk what was alive when serving started (the pool freezes it:
+    server/worker.py), and once the pool stops it is collectable again."""
+    gc.unfreeze()
+    junk = [[i] for i in range(1000)]  # alive before serving starts: frozen with the rest
+
+    async def frozen(gen: Generator) -> int:
+        await gen.generate_with_config("Hi", {"max_tokens": 2, **GREEDY})
+        return gc.get_freeze_count()
+
+    assert run_with(smollm, frozen) >= len(junk)
+    assert gc.get_freeze_count() == 0
