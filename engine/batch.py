@@ -21,19 +21,15 @@ import torch
 from torch import Tensor
 
 from .block_manager import KVSequence
-from .cpu_kernels import chunk_attention_kernel
 
 # Rows from which a dense bfloat16 matmul beats the packed kernels on CPU (bench/matmul_formats.py): shorter chunks
 # are laid out right after the decode rows and take the packed kernels with them.
 DENSE_MIN_ROWS = 32
 # A chunk over cached blocks takes the compiled CPU attention kernel (keys read in place) while its queries times
 # keys are at most this: one query at a time, past it a gather and torch's fused attention win (a 12-token question
-# after a 2,048-token cached prefix: bench/RESULTS.md, issue 17). Built for AVX-512 the kernel takes the queries of
-# a chunk of at least CPU_CHUNK_KERNEL_QUERIES together and wins at every size. Decode rows always take the kernel.
+# after a 2,048-token cached prefix: bench/RESULTS.md, issue 17). Where the build has the chunk kernel (AVX-512,
+# `chunk_kernel`), every chunk over cached blocks takes it: it wins at every size. Decode rows always take the kernel.
 CPU_PAGED_MAX_CHUNK_WORK = 8192
-# (fewer keep the one-query path, whose arithmetic is the decode rows': speculative verification rows, at most 17
-# tokens, must give the logits decode steps give; the same bound as kChunkMinQueries in engine/csrc/cpu_kernels.cpp)
-CPU_CHUNK_KERNEL_QUERIES: int | None = 18 if chunk_attention_kernel() else None
 
 
 class StepRow(NamedTuple):
@@ -100,13 +96,14 @@ def _tables(tables: list[list[int]], device: torch.device, width: int | None = N
 
 
 def build_batch(rows: list[StepRow], block_size: int, window: int | None, device: torch.device, *,
-                paged: bool = False, paged_decode: bool = False, table_width: int | None = None,
-                deterministic: bool = False) -> ForwardBatch:
+                paged: bool = False, paged_decode: bool = False, chunk_kernel: bool = False,
+                table_width: int | None = None, deterministic: bool = False) -> ForwardBatch:
     """Lay out `rows` as one flat forward pass; `window` is the sliding-window size (None: no sliding layers);
     `paged`: attention over cached blocks through the paged kernels (block tables) rather than gathers, the tables
     `table_width` wide (the width CUDA-graph steps use: then every step launches the kernels compiled for those);
     `paged_decode`: the decode rows, and the chunks over cached blocks whose queries times keys are few
-    (CPU_PAGED_MAX_CHUNK_WORK), through block tables; longer chunks through gathers (CPU: the compiled kernels)."""
+    (CPU_PAGED_MAX_CHUNK_WORK; any with `chunk_kernel`), through block tables; longer chunks through gathers (CPU:
+    the compiled kernels)."""
     decode_rows = [row for row in rows if row.end - row.start == 1]
     short_rows = [row for row in rows if 1 < row.end - row.start < DENSE_MIN_ROWS]
     prefill_rows = short_rows + [row for row in rows if row.end - row.start >= DENSE_MIN_ROWS]
@@ -158,8 +155,7 @@ def build_batch(rows: list[StepRow], block_size: int, window: int | None, device
     for row in prefill_rows:
         begin = begins[id(row)]
         n = row.end - row.start
-        small = n * row.end <= CPU_PAGED_MAX_CHUNK_WORK or (CPU_CHUNK_KERNEL_QUERIES is not None
-                                                            and n >= CPU_CHUNK_KERNEL_QUERIES)
+        small = chunk_kernel or n * row.end <= CPU_PAGED_MAX_CHUNK_WORK
         if (row.start > 0 or fresh_paged) and (paged or (paged_decode and small)):  # one paged prefill call
             cached.append((begin, row))
             continue

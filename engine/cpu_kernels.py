@@ -56,10 +56,14 @@ def _arch_flags() -> list[str]:
     return []
 
 
-def chunk_attention_kernel() -> bool:
-    """Whether the library's prefill attention takes a chunk's queries together (its AVX-512 build, x86-64-v4),
-    which beats gathering the keys for torch's fused attention at every chunk length (bench/RESULTS.md, issue 17)."""
-    return "-march=x86-64-v4" in _arch_flags()
+CHUNK_KERNEL_HEAD_DIMS = (64, 128, 256)  # the chunk kernel's (chunk_kernel_serves in csrc/cpu_kernels.cpp)
+
+
+def chunk_attention_kernel(head_dim: int) -> bool:
+    """Whether the library's attention at `head_dim` runs the chunk kernel (its AVX-512 build, x86-64-v4): a row's
+    queries together over keys transposed in tiles, for decode rows and chunks alike, which beats gathering the
+    keys for torch's fused attention at every chunk length (bench/RESULTS.md, issue 17)."""
+    return "-march=x86-64-v4" in _arch_flags() and head_dim in CHUNK_KERNEL_HEAD_DIMS
 
 
 def _flags() -> list[str]:

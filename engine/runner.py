@@ -19,6 +19,7 @@ from .cuda_graphs import DecodeGraphs, table_width
 from .config import EncoderConfig, ModelConfig
 from .errors import ContextLengthError, EngineError, RowError
 from .kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
+from .cpu_kernels import chunk_attention_kernel
 from .layers import CPU_PAGED_DECODE
 from .models import BertEncoder, DecoderModel
 from .models.bert import pack_sentences
@@ -72,6 +73,8 @@ class Runner:
         # float64 attention.
         self.paged_decode = device.type == "cpu" and CPU_PAGED_DECODE and not deterministic
         self.config: ModelConfig | EncoderConfig = model.cfg
+        # ... and chunks over cached blocks, at any length, where the build has the chunk kernel for the head size.
+        self.chunk_kernel = self.paged_decode and chunk_attention_kernel(self.config.head_dim)
         if pooling not in POOLING_MODES:
             raise ValueError(f"unknown pooling {pooling!r}; use one of {', '.join(POOLING_MODES)}")
         self.pooling = pooling  # what `embed` does by default
@@ -205,6 +208,7 @@ class Runner:
         else:
             batch = build_batch(rows, self.blocks.block_size, self.config.sliding_window, self.device,
                                 paged=self.paged_attention, paged_decode=self.paged_decode,
+                                chunk_kernel=self.chunk_kernel,
                                 deterministic=self.deterministic,
                                 table_width=table_width(self.context_size, self.blocks.block_size)
                                 if self.paged_attention else None)

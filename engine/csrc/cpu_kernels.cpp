@@ -506,10 +506,9 @@ void attend_queries(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
 // of fused multiply-adds with no horizontal sums; then each row's softmax over its own keys (the rest weigh 0), then
 // the weighted values added for a few rows at a time with their accumulators in registers.
 constexpr int64_t kChunkQueries = 16;  // queries a task takes: enough rows to spread a tile's transposition over
-// Rows of fewer queries keep the one-query-at-a-time path, whose arithmetic is the decode rows' own: a speculative
-// verification row (at most 16 drafts and the last token) must give each token the logits a decode step gives it,
-// or greedy outputs would change with speculation.
-constexpr int64_t kChunkMinQueries = 18;
+// Where it serves, the chunk kernel takes every query, decode rows' included: a speculative verification row (the
+// drafts and the last token) must give each token the logits a decode step gives it, or greedy outputs would change
+// with speculation; and a query's arithmetic here is its own, whatever other queries share its task.
 
 #if defined(__AVX512F__)
 struct ChunkScratch {
@@ -658,6 +657,16 @@ void add_values_rows(const float* p, int64_t stride, int64_t base, const int64_t
     add_values<T, 1, C>(p + r * stride, stride, base, row_lo[r], row_hi[r], v, v_s, table, block_size, out + r * d, d);
 }
 
+// x[0] + ... + x[n - 1] in one order whatever x's alignment (16 lanes, their sum, then the lanes' total), so that
+// a query's softmax does not depend on where in the scratch its scores lie.
+inline float ordered_sum(const float* x, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(x + j));
+  if (j < n) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (n - j)) - 1), x + j));
+  return _mm512_reduce_add_ps(acc);
+}
+
 // Queries [0, n) of one row (q: the first query's first head of this KV head, token stride q_ts, head stride q_hs),
 // query i seeing keys [firsts[i], ends[i]) through `table` → o likewise.
 template <typename T>
@@ -681,13 +690,8 @@ void attend_chunk(const T* q, int64_t q_ts, int64_t q_hs, const T* k, int64_t k_
     if (a >= b) continue;
     float top = -std::numeric_limits<float>::infinity();
     for (int64_t j = a; j < b; ++j) top = std::max(top, si[j]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = a; j < b; ++j) {
-      si[j] = fast_exp(si[j] - top);
-      sum += si[j];
-    }
-    const float inv = 1.f / sum;
+    for (int64_t j = a; j < b; ++j) si[j] = fast_exp(si[j] - top);
+    const float inv = 1.f / ordered_sum(si + a, b - a);
     for (int64_t j = a; j < b; ++j) si[j] *= inv;
   }
   s.q.resize(rows * d);
@@ -789,6 +793,22 @@ void check_table(const int32_t* table, int64_t width, int64_t keys, int64_t bloc
     TORCH_CHECK(table[i] >= 0 && table[i] < pool_blocks, "block ", table[i], " is not in the pool");
 }
 
+// Every query of a decode or prefill call through one kernel: the chunk kernel where it serves, else one at a time.
+void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const int32_t* tables,
+            int64_t table_stride, const std::vector<std::array<int64_t, 4>>& queries, int64_t block_size, double scale,
+            at::Tensor& out) {
+  const bool chunks = chunk_kernel_serves(q.size(2));
+  AT_DISPATCH_SWITCH(q.scalar_type(), "emberserve_paged_attention",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      if (chunks) attend_chunks<float>(q, keys, values, tables, table_stride, queries, block_size, scale, out);
+      else attend_queries<float>(q, keys, values, tables, table_stride, queries, block_size, scale, out);
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      if (chunks) attend_chunks<c10::BFloat16>(q, keys, values, tables, table_stride, queries, block_size, scale, out);
+      else attend_queries<c10::BFloat16>(q, keys, values, tables, table_stride, queries, block_size, scale, out);
+    }));
+}
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
                                   double scale, int64_t window) {
@@ -807,11 +827,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& keys, c
     queries[r] = {r, r, window > 0 ? std::max<int64_t>(0, len - window) : 0, len};
   }
   at::Tensor out = at::empty(q.sizes(), q.options());
-  AT_DISPATCH_SWITCH(q.scalar_type(), "emberserve_decode_attention",
-    AT_DISPATCH_CASE(at::kFloat, [&] { attend_queries<float>(q, keys, values, tp, width, queries, block_size, scale, out); })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      attend_queries<c10::BFloat16>(q, keys, values, tp, width, queries, block_size, scale, out);
-    }));
+  attend(q, keys, values, tp, width, queries, block_size, scale, out);
   return out;
 }
 
@@ -845,20 +861,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& keys, 
       queries.push_back({start + t, r, window > 0 ? std::max<int64_t>(0, end - window) : 0, end});
     }
   }
-  // Rows of many queries through the chunk kernel where it serves, the others (and all elsewhere) one at a time.
-  std::vector<std::array<int64_t, 4>> many, few;
-  const bool chunks = chunk_kernel_serves(q.size(2));
-  for (const auto& query : queries)
-    (chunks && qlens.data_ptr<int32_t>()[query[1]] >= kChunkMinQueries ? many : few).push_back(query);
-  AT_DISPATCH_SWITCH(q.scalar_type(), "emberserve_prefill_attention",
-    AT_DISPATCH_CASE(at::kFloat, [&] {
-      if (!many.empty()) attend_chunks<float>(q, keys, values, tp, width, many, block_size, scale, out);
-      if (!few.empty()) attend_queries<float>(q, keys, values, tp, width, few, block_size, scale, out);
-    })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      if (!many.empty()) attend_chunks<c10::BFloat16>(q, keys, values, tp, width, many, block_size, scale, out);
-      if (!few.empty()) attend_queries<c10::BFloat16>(q, keys, values, tp, width, few, block_size, scale, out);
-    }));
+  attend(q, keys, values, tp, width, queries, block_size, scale, out);
   return out;
 }
 

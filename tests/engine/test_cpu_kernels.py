@@ -141,24 +141,24 @@ def test_without_the_library_the_ops_run_the_torch_path():
 
 
 
-@pytest.mark.parametrize("queries", [5, 17])
-def test_short_chunk_queries_equal_decode_rows_bit_for_bit(queries):
-    """A chunk of up to 17 queries (a speculative verification row: drafts and the last token) gives each query
-    exactly what the decode kernel gives it as a row of its own, or greedy outputs would change with speculation;
-    longer chunks may take the faster chunk kernel."""
+@pytest.mark.parametrize("queries,window,d,dtype", [(5, 0, 64, BF16), (17, 0, 64, BF16), (40, 0, 128, BF16),
+                                                   (23, 100, 64, BF16), (9, 0, 64, torch.float32)])
+def test_chunk_queries_equal_decode_rows_bit_for_bit(queries, window, d, dtype):
+    """A chunk's queries (a speculative verification row: the drafts and the last token) give each query exactly
+    what the decode kernel gives it as a row of its own, or greedy outputs would change with speculation."""
     torch.manual_seed(queries)
-    heads, kv_heads, d, bs, length = 9, 3, 64, 16, 400
+    heads, kv_heads, bs, length = 9, 3, 16, 400
     blocks = -(-length // bs)
-    keys = torch.randn(kv_heads, (blocks + 3) * bs, d, dtype=BF16)
+    keys = torch.randn(kv_heads, (blocks + 3) * bs, d, dtype=dtype)
     values = torch.randn_like(keys)
     table = torch.randperm(blocks + 3)[:blocks].to(torch.int32)[None]
-    q = torch.randn(queries, heads, d, dtype=BF16)
+    q = torch.randn(queries, heads, d, dtype=dtype)
     out = torch.empty_like(q)
     chunk = torch.ops.emberserve.paged_prefill_attention(
         q, keys, values, table, torch.tensor([length], dtype=torch.int32), torch.tensor([queries], dtype=torch.int32),
-        torch.tensor([0], dtype=torch.int32), bs, d ** -0.5, 0, out)
+        torch.tensor([0], dtype=torch.int32), bs, d ** -0.5, window, out)
     # each query alone: a decode row at its own position, seeing the keys up to it
     lens = torch.tensor([length - queries + i + 1 for i in range(queries)], dtype=torch.int32)
     decoded = torch.ops.emberserve.paged_decode_attention(q, keys, values, table.expand(queries, -1).contiguous(),
-                                                          lens, bs, d ** -0.5, 0)
+                                                          lens, bs, d ** -0.5, window)
     assert torch.equal(chunk, decoded)
