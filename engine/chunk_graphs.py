@@ -10,6 +10,9 @@ table], filled on the host in pinned memory and sent with one copy. Attention go
 (the chunk's own keys are written to the cache first), whose grid depends on the bucket only; padding tokens read
 token 0 at position 0, write their keys to the pool's spare slot, and no row claims their queries.
 
+Buckets of up to ALL_LOGITS_TOKENS tokens compute every position's logits (the LM head reads its weights once either
+way), so that a speculative verification row (its drafts and last token), which needs them all, replays one too.
+
 A step whose rows are decode rows (the decode graphs, engine/cuda_graphs.py) plus at most MAX_CHUNKS such chunks
 runs as those replays, the logits put back in the rows' order; anything else runs eagerly.
 """
@@ -30,6 +33,7 @@ log = logging.getLogger("emberserve.engine")
 CHUNK_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 # Past a few chunks one eager pass over all of them costs less than a replay each (every replay reads the weights).
 MAX_CHUNKS = 4
+ALL_LOGITS_TOKENS = 32
 _HEAD = 3  # ids, positions, slots: one column of `tokens` each
 
 
@@ -44,15 +48,18 @@ class ChunkStaging:
 
     def __init__(self, tokens: int, width: int, trash_slot: int, device: torch.device) -> None:
         self.tokens, self.width, self.trash_slot = tokens, width, trash_slot
-        size = _HEAD * tokens + 4 + width
+        self.all_logits = tokens <= ALL_LOGITS_TOKENS  # every position's logits, not only the chunk's last
+        self._logit_count = tokens if self.all_logits else 1
+        size = _HEAD * tokens + 3 + self._logit_count + width
         self.host = torch.zeros(size, dtype=torch.int32, pin_memory=device.type == "cuda")
         self.device = torch.zeros(size, dtype=torch.int32, device=device)
         self._np = self.host.numpy()
         t = tokens
         self._ids, self._pos, self._slots = (self._np[i * t:(i + 1) * t] for i in range(_HEAD))
         self._rows = self._np[_HEAD * t:_HEAD * t + 3]  # query start, query length, key count
-        self._logit = self._np[_HEAD * t + 3:_HEAD * t + 4]
-        self._table = self._np[_HEAD * t + 4:]
+        self._logit = self._np[_HEAD * t + 3:_HEAD * t + 3 + self._logit_count]
+        self._logit[:] = range(self._logit_count)  # all positions: fixed
+        self._table = self._np[_HEAD * t + 3 + self._logit_count:]
         # The host buffer is refilled only once its last copy has left (a bucket may serve two chunks of a step).
         self._sent = torch.cuda.Event() if device.type == "cuda" else None
 
@@ -68,8 +75,9 @@ class ChunkStaging:
         self._slots[n:] = self.trash_slot
         if row is None:
             self._rows[:] = 0
-            self._logit[0] = 0
             self._table[:] = 0
+            if not self.all_logits:
+                self._logit[0] = 0
             return
         seq, start, end, _ = row
         table = seq.block_table
@@ -77,7 +85,8 @@ class ChunkStaging:
         self._pos[:n] = range(start, end)
         self._slots[:n] = [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
         self._rows[:] = (0, n, end)
-        self._logit[0] = n - 1
+        if not self.all_logits:
+            self._logit[0] = n - 1
         blocks = -(-end // block_size)
         self._table[:blocks] = table[:blocks]
         self._table[blocks:] = table[0]  # a valid block, never read past the row's keys
@@ -96,8 +105,8 @@ class ChunkStaging:
         t, d = self.tokens, self.device
         ids, positions, slots = (d[i * t:(i + 1) * t] for i in range(_HEAD))
         rows = d[_HEAD * t:_HEAD * t + 3].view(3, 1)
-        logit_index = d[_HEAD * t + 3:_HEAD * t + 4]
-        table = d[_HEAD * t + 4:].view(1, self.width)
+        logit_index = d[_HEAD * t + 3:_HEAD * t + 3 + self._logit_count]
+        table = d[_HEAD * t + 3 + self._logit_count:].view(1, self.width)
         # Short buckets take the packed kernels as an eager chunk that short would (batch.DENSE_MIN_ROWS).
         packed = t if t < DENSE_MIN_ROWS else 0
         return ForwardBatch(ids, positions, slots, logit_index, block_size, packed, False, 0, 0, 0, None, None,
@@ -127,18 +136,23 @@ class ChunkGraphs:
         return took
 
     def serves(self, row: StepRow) -> bool:
-        """Whether chunk `row` replays a graph: its next-token logits or none, within the largest bucket."""
-        return bool(self._graphs) and row.logits != "all" and row.end - row.start <= self.buckets[-1]
+        """Whether chunk `row` replays a graph: within the largest bucket, and a bucket with every position's logits
+        if it wants them."""
+        bucket = bucket_of(row.end - row.start, self.buckets)
+        return bool(self._graphs) and bucket is not None and (row.logits != "all" or self._staging[bucket].all_logits)
 
     def run(self, row: StepRow) -> torch.Tensor:
-        """Logits [1, vocab] after the chunk's last token (a view of the graph's output, valid until its next
-        replay)."""
-        staging = self._staging[bucket_of(row.end - row.start, self.buckets)]
+        """The chunk's logits: [1, vocab] after its last token, or [n, vocab] after each of its n ("all"); a view of
+        the graph's output, valid until its next replay."""
+        n = row.end - row.start
+        staging = self._staging[bucket_of(n, self.buckets)]
         staging.fill(row, self.block_size)
         staging.upload()
         graph, logits = self._graphs[staging.tokens]
         graph.replay()
-        return logits
+        if not staging.all_logits:
+            return logits
+        return logits[:n] if row.logits == "all" else logits[n - 1:n]
 
 
 class GraphStep:
@@ -156,34 +170,33 @@ class GraphStep:
                 and all(self.chunks.serves(r) for r in chunks))
 
     def run(self, rows: Sequence[StepRow]) -> torch.Tensor:
-        """Float32 logits for the rows' "last" positions in the rows' order (what an eager step returns)."""
+        """Float32 logits for the rows' "last" positions (every position of an "all" row) in the rows' order, as an
+        eager step returns them."""
         if self.decode.serves(rows):
             return self.decode.run(rows)
         decode_rows = [r for r in rows if is_decode_row(r)]
         pieces = [self.decode.run(decode_rows)] if decode_rows else []
+        # Each row's first row among the pieces joined, and how many it has.
+        place = {id(r): (i, 1) for i, r in enumerate(decode_rows)}
+        joined = len(decode_rows)
         chunks = [r for r in rows if not is_decode_row(r)]
         buckets = [bucket_of(r.end - r.start, self.chunks.buckets) for r in chunks]
-        chunk_piece: dict[int, int] = {}  # a chunk's place among the pieces
         logits = None
         for i, row in enumerate(chunks):
             logits = self.chunks.run(row)
-            if row.logits == "last":
+            if row.logits != "none":
                 # a later chunk of the same bucket replays its graph again, overwriting this output
-                chunk_piece[id(row)] = len(pieces)
                 pieces.append(logits.clone() if buckets[i] in buckets[i + 1:] else logits)
+                place[id(row)] = (joined, len(logits))
+                joined += len(logits)
         if not pieces:
             return logits.new_empty((0, logits.shape[1]))
-        order, next_decode = [], 0  # for each row with logits, its row among the concatenated pieces
-        for row in rows:
-            if is_decode_row(row):
-                order.append(next_decode)
-                next_decode += 1
-            elif row.logits == "last":
-                order.append(len(decode_rows) + chunk_piece[id(row)] - (1 if decode_rows else 0))
+        order = [j for row in rows if id(row) in place
+                 for j in range(place[id(row)][0], place[id(row)][0] + place[id(row)][1])]
         out = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
         if order != list(range(len(order))):
             out = out.index_select(0, torch.tensor(order, device=out.device))
         return out
 
 
-__all__ = ["CHUNK_BUCKETS", "MAX_CHUNKS", "ChunkGraphs", "ChunkStaging", "GraphStep", "chunk_buckets"]
+__all__ = ["ALL_LOGITS_TOKENS", "CHUNK_BUCKETS", "MAX_CHUNKS", "ChunkGraphs", "ChunkStaging", "GraphStep", "chunk_buckets"]

@@ -10,7 +10,7 @@ import torch
 from engine import load_runner
 from engine.batch import StepRow
 from engine.block_manager import KVSequence
-from engine.chunk_graphs import CHUNK_BUCKETS, MAX_CHUNKS, ChunkStaging, GraphStep, chunk_buckets
+from engine.chunk_graphs import ALL_LOGITS_TOKENS, CHUNK_BUCKETS, MAX_CHUNKS, ChunkStaging, GraphStep, chunk_buckets
 from engine.cuda_graphs import bucket_of, table_width
 from engine.kv_cache import PagedKVCache
 from tiny_models import prompt_ids
@@ -38,26 +38,33 @@ def _spare_copy(runner) -> PagedKVCache:
 
 @pytest.mark.parametrize("variant", ["llama_tied", "gemma3"])
 @pytest.mark.parametrize("cached", [0, 19])
-def test_a_filled_chunk_bucket_gives_the_chunk_its_logits(tiny_zoo, variant, cached) -> None:
-    """A 21-token chunk in a bucket of 32 (a fresh prompt, or after 19 cached tokens: past gemma3's window), through
-    the paged prefill path, against the ordinary CPU step; its keys where they belong, the padding's in the spare
-    block only."""
+@pytest.mark.parametrize("tokens,bucket,logits", [(21, 32, "last"), (21, 32, "all"), (40, 64, "last")])
+def test_a_filled_chunk_bucket_gives_the_chunk_its_logits(tiny_zoo, variant, cached, tokens, bucket, logits) -> None:
+    """A chunk in its bucket (a fresh prompt, or after 19 cached tokens: past gemma3's window), through the paged
+    prefill path, against the ordinary CPU step: the next-token logits, or every position's from a bucket of at
+    most ALL_LOGITS_TOKENS (what a speculative verification row needs); its keys where they belong, the padding's
+    in the spare block only."""
     tiny = tiny_zoo.model(variant)
     runner = load_runner(str(tiny.safetensors_dir), dtype="float32")
     bs = runner.blocks.block_size
-    seq = runner.new_sequence(prompt_ids(tiny, 0, cached + 21), use_prefix_cache=False)
+    seq = runner.new_sequence(prompt_ids(tiny, 0, cached + tokens), use_prefix_cache=False)
     if cached:
         runner.step([StepRow(seq, 0, cached, "none")])
-    row = StepRow(seq, cached, cached + 21)
+    row = StepRow(seq, cached, cached + tokens, logits)
     runner.blocks.allocate(seq, row.end)
     cache = _spare_copy(runner)
-    staging = ChunkStaging(32, table_width(runner.context_size, bs), runner.blocks.num_blocks * bs, runner.device)
+    staging = ChunkStaging(bucket, table_width(runner.context_size, bs), runner.blocks.num_blocks * bs,
+                           runner.device)
+    assert staging.all_logits == (bucket <= ALL_LOGITS_TOKENS)
     staging.fill(row, bs)
     staging.upload()
     with torch.inference_mode():
         graphed = runner.model(staging.batch(bs), cache)
+    if staging.all_logits:  # every position's, padding included: what ChunkGraphs.run cuts down
+        assert graphed.shape == (bucket, runner.vocab_size)
+        graphed = graphed[:tokens] if logits == "all" else graphed[tokens - 1:tokens]
     expected = runner.step([row])
-    assert graphed.shape == expected.shape == (1, runner.vocab_size)
+    assert graphed.shape == expected.shape == (tokens if logits == "all" else 1, runner.vocab_size)
     assert torch.allclose(graphed, expected, atol=1e-4, rtol=1e-4), float((graphed - expected).abs().max())
     used = runner.blocks.num_blocks * bs
     for i in range(runner.config.num_layers):
@@ -89,22 +96,27 @@ class _Decode:
 
 
 class _Chunks:
-    """A stand-in for ChunkGraphs: one output tensor per bucket, overwritten by each replay (as a graph's is)."""
+    """A stand-in for ChunkGraphs: one output tensor per bucket, overwritten by each replay (as a graph's is); row j
+    of a chunk's logits is its token j; bucket 16 has every position's logits, bucket 32 the last one's."""
 
     buckets = [16, 32]
 
     def __init__(self) -> None:
-        self.outputs = {b: torch.zeros(1, 3) for b in self.buckets}
+        self.outputs = {16: torch.zeros(16, 3), 32: torch.zeros(1, 3)}
         self.replays = 0
 
     def serves(self, row) -> bool:
-        return row.logits != "all" and row.end - row.start <= 32
+        return row.end - row.start <= (16 if row.logits == "all" else 32)
 
     def run(self, row) -> torch.Tensor:
         self.replays += 1
-        out = self.outputs[bucket_of(row.end - row.start, self.buckets)]
-        out.fill_(float(row.seq.tokens[row.end - 1]))
-        return out
+        n = row.end - row.start
+        out = self.outputs[bucket_of(n, self.buckets)]
+        if len(out) == 1:
+            out.fill_(float(row.seq.tokens[row.end - 1]))
+            return out
+        out[:n] = torch.tensor(row.seq.tokens[row.start:row.end], dtype=out.dtype)[:, None]
+        return out[:n] if row.logits == "all" else out[n - 1:n]
 
 
 def _row(token: int, start: int, end: int, logits: str = "last") -> StepRow:
@@ -112,15 +124,23 @@ def _row(token: int, start: int, end: int, logits: str = "last") -> StepRow:
     return StepRow(seq, start, end, logits)
 
 
+def _drafted(tokens: list[int], start: int) -> StepRow:
+    """A verification row: the last token and drafts after `start` cached ones, every position's logits."""
+    return StepRow(KVSequence([0] * start + tokens), start, start + len(tokens), "all")
+
+
 def test_a_graph_step_returns_the_logits_in_the_rows_order() -> None:
     chunks = _Chunks()
     step = GraphStep(_Decode(), chunks)
-    rows = [_row(5, 10, 20), _row(1, 3, 4), _row(7, 0, 12, "none"), _row(6, 0, 14), _row(2, 8, 9)]
+    rows = [_row(5, 10, 20), _row(1, 3, 4), _drafted([8, 9, 4], 30), _row(7, 0, 12, "none"), _row(6, 0, 14),
+            _row(2, 8, 9)]
     assert step.serves(rows)
     logits = step.run(rows)
-    # the two 10- and 14-token chunks share bucket 16: the first one's logits survive the second replay
-    assert logits[:, 0].tolist() == [5.0, 1000.0, 6.0, 2000.0]
-    assert chunks.replays == 3
+    # the 10-token chunk, the 3-token verification row and the 14-token chunk share bucket 16: the first two's
+    # logits survive the later replays
+    assert logits[:, 0].tolist() == [5.0, 1000.0, 8.0, 9.0, 4.0, 6.0, 2000.0]
+    assert chunks.replays == 4
+    assert step.run([_drafted([3, 1], 5), _row(2, 8, 9)])[:, 0].tolist() == [3.0, 1.0, 2000.0]
     only_chunks = step.run([_row(3, 0, 20, "none"), _row(4, 0, 5)])
     assert only_chunks[:, 0].tolist() == [4.0]
     assert step.run([_row(3, 0, 20, "none")]).shape == (0, 3)
@@ -130,7 +150,8 @@ def test_a_graph_step_leaves_other_steps_to_the_eager_path() -> None:
     step = GraphStep(_Decode(), _Chunks())
     assert step.serves([_row(1, 3, 4)])
     assert not step.serves([_row(1, 0, 33)])  # past the longest bucket
-    assert not step.serves([_row(1, 0, 8, "all")])  # every position's logits
+    assert step.serves([_row(1, 0, 8, "all")])  # every position's logits: from a bucket that has them
+    assert not step.serves([_row(1, 0, 20, "all")])  # from one that does not
     assert not step.serves([_row(1, 0, 8)] * (MAX_CHUNKS + 1))
     assert not step.serves([_row(1, 3, 4)] * 5 + [_row(1, 0, 8)])  # more decode rows than the largest bucket
     assert not GraphStep(_Decode(), None).serves([_row(1, 0, 8)])
@@ -145,4 +166,4 @@ def test_a_padded_chunk_bucket_claims_no_query() -> None:
     staging.pad(16)
     t = staging.host.tolist()
     assert t[:16] == [0] * 16 and t[16:32] == [0] * 16 and t[32:48] == [99] * 16
-    assert t[48:51] == [0, 0, 0]
+    assert t[48:51] == [0, 0, 0] and t[51:67] == list(range(16))  # a bucket with every position's logits

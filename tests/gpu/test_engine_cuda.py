@@ -86,8 +86,8 @@ def test_graph_replay_equals_eager_steps(tinies, variant, dtype) -> None:
 def test_chunk_graphs_equal_eager_steps(tinies, variant, dtype) -> None:
     """Prompt chunks replayed from their buckets' graphs (engine/chunk_graphs.py) against the same steps run
     eagerly: two fresh prompts in one step (buckets 32 and 16), then decode steps of both with a third prompt
-    joining, and a fourth whose first block comes from the prefix cache (a chunk over cached blocks), past gemma3's
-    window."""
+    joining, a fourth whose first block comes from the prefix cache (a chunk over cached blocks), past gemma3's
+    window, and a speculative verification row (four drafts and the last token, every position's logits)."""
     tiny = tinies[variant]
     results = []
     for graphs in (False, True):
@@ -96,12 +96,18 @@ def test_chunk_graphs_equal_eager_steps(tinies, variant, dtype) -> None:
             runner.capture_cuda_graphs(8, chunk_tokens=64)
             assert runner.chunk_graphs.buckets == [16, 32, 64]
         a, b = (runner.new_sequence(prompt_ids(tiny, i, n)) for i, n in ((0, 30), (1, 12)))
-        steps = [runner.step([StepRow(a, 0, 30), StepRow(b, 0, 12)]).float().cpu()]
+        rows = [StepRow(a, 0, 30), StepRow(b, 0, 12)]
+        steps = [runner.step(rows).float().cpu()]
         seqs = [a, b]
         for i in range(6):
-            for seq, token in zip(seqs, steps[-1].argmax(-1).tolist()):
-                seq.tokens.append(token)
-            rows = [StepRow(s, s.num_computed, len(s.tokens)) for s in seqs]
+            at = 0
+            for row in rows:  # each row's next token, from its last logits
+                at += row.end - row.start if row.logits == "all" else 1
+                row.seq.tokens.append(int(steps[-1][at - 1].argmax()))
+            if i == 4:
+                a.tokens.extend(prompt_ids(tiny, 2, 4))  # drafts, verified in one row
+            rows = [StepRow(s, s.num_computed, len(s.tokens), "all" if s is a and i == 4 else "last")
+                    for s in seqs]
             if i in (1, 3):
                 # a fresh prompt, then one sharing the first prompt's first block (computed from the cache on)
                 new = runner.new_sequence(prompt_ids(tiny, 1, 20) if i == 1 else prompt_ids(tiny, 0, 40))
