@@ -444,11 +444,12 @@ def _plain_greedy(logits: torch.Tensor, samplers: Sequence[SequenceSampler]) -> 
         if not s.params.is_greedy() or s.params.logprobs or s.bias_ids is not None or s.suppressed is not None \
                 or s.counts is not None or s.prompt_mask is not None:
             return None
+    # Few torch calls: on a GPU each gives up the GIL and may wait to get it back from a busy event loop.
     values, tokens = logits.max(-1)
-    out = torch.cat((tokens, torch.isfinite(values).all().long().view(1))).tolist()
-    if not out[-1]:
+    tokens, values = tokens.tolist(), values.tolist()
+    if not all(map(math.isfinite, values)):
         return None
-    return [SampledToken(t, None, None) for t in out[:-1]]
+    return [SampledToken(t, None, None) for t in tokens]
 
 
 @torch.no_grad()
