@@ -105,7 +105,7 @@ def test_chunk_graphs_equal_eager_steps(tinies, variant, dtype) -> None:
                 at += row.end - row.start if row.logits == "all" else 1
                 row.seq.tokens.append(int(steps[-1][at - 1].argmax()))
             if i == 4:
-                a.tokens.extend(prompt_ids(tiny, 2, 4))  # drafts, verified in one row
+                a.tokens.extend(prompt_ids(tiny, 1, 4))  # drafts, verified in one row
             rows = [StepRow(s, s.num_computed, len(s.tokens), "all" if s is a and i == 4 else "last")
                     for s in seqs]
             if i in (1, 3):
