@@ -66,6 +66,8 @@ class Unit:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     # The choice's deltas not sent yet (gathered up to its generation's stream_interval).
     held: list[ChoiceDelta] = field(default_factory=list)
+    # Out of the batch for good (its blocks freed): a row of it in a step already launched is dropped.
+    finished: bool = False
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -110,7 +112,7 @@ class Scheduler:
     """Owns the waiting and running sequences of one runner; `step()` advances them all by one forward pass."""
 
     def __init__(self, runner: Runner, max_batched_tokens: int = 512, max_running: int = 32,
-                 speculator: Speculator | None = None) -> None:
+                 speculator: Speculator | None = None, defer_text: bool | None = None) -> None:
         if max_batched_tokens < max_running:
             # A step's budget must hold a token of every running sequence, or some would wait behind the others.
             raise ValueError(f"max_batched_tokens ({max_batched_tokens}) must be at least max_running "
@@ -134,13 +136,20 @@ class Scheduler:
         self._auto_interval = 1  # auto_stream_interval of the step under way
         self.embeddings = EmbeddingSteps(runner, max_batched_tokens)
         self._embeddings_turn = True
+        # On a GPU a step's launch does not wait for it, so the host work of a sampled token that the next step's
+        # schedule does not need (detokenizing, stop strings, its event) waits until that step is launched and
+        # runs beside it (`_take_token`, then `_hand_on` from `_pending`). A stop string found then has cost its unit
+        # one row of that step, dropped. None: defer where the runner is on a GPU.
+        self.defer_text = runner.device.type == "cuda" if defer_text is None else defer_text
+        self._pending: list[tuple[Unit, int, float | None, list[tuple[int, float]] | None]] = []
+        self._pending_interval = 1  # auto_stream_interval of the step that sampled the pending tokens
 
     @property
     def num_generations(self) -> int:
         return len(self._gens)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running) or self.embeddings.has_work()
+        return bool(self.waiting or self.running or self._pending) or self.embeddings.has_work()
 
     def add(self, gen: Generation | EmbeddingJob) -> None:
         if isinstance(gen, EmbeddingJob):
@@ -170,6 +179,7 @@ class Scheduler:
 
     def fail(self, gens: list[Generation], status: int, message: str, code: str | None = None) -> None:
         """End `gens` with an error event, freeing what they hold; what was produced before goes out first."""
+        self._hand_on_pending()  # what was produced before goes out first
         failing = set(gens)
         for unit in self.running + list(self.waiting):
             if unit.held and unit.gen in failing:
@@ -315,10 +325,11 @@ class Scheduler:
         for unit in self.running:
             if unit.choice is None or unit.kv.num_pending != 1 or unit.gen.backlogged:
                 continue
-            # The step makes one token anyway; drafts stay within max_tokens and the context.
+            # The step makes one token anyway; drafts stay within max_tokens and the context (the tokens made so
+            # far counted from the sequence: its stop checker may not have seen the last one yet, see defer_text).
             most = self.runner.context_size - len(unit.kv.tokens)
             if unit.gen.max_tokens is not None:
-                most = min(most, unit.gen.max_tokens - unit.stopper.num_tokens - 1)
+                most = min(most, unit.gen.max_tokens - (len(unit.kv.tokens) - len(unit.gen.prompt_ids)) - 1)
             if most > 0:
                 rows.append((unit, unit.kv.tokens, most, unit.sampler))
         return spec.propose(rows)  # type: ignore[return-value]
@@ -347,8 +358,10 @@ class Scheduler:
 
     def step(self) -> None:
         """One forward pass: of pending embeddings or of the generations, taking turns while both have work."""
-        generating = bool(self.waiting or self.running)
+        generating = bool(self.waiting or self.running or self._pending)
         if self.embeddings.has_work() and (self._embeddings_turn or not generating):
+            self._hand_on_pending()
+            self.events.flush()
             self._embeddings_turn = False
             if self.embeddings.step(alone=not generating) or not generating:
                 return
@@ -364,7 +377,12 @@ class Scheduler:
         self.peak_running = max(self.peak_running, len(self.running))
         self._auto_interval = auto_stream_interval(len(self.running))
         early = self._start_masks(self._stepping)
-        done = self._forward(self._stepping)
+        try:
+            done = self._forward(self._stepping)
+        finally:
+            if self._pending:  # the last step's text and events, while the device computes this one
+                self._hand_on_pending()
+                self.events.flush()
         if done is None:
             self._stepping = []
             return
@@ -377,6 +395,9 @@ class Scheduler:
             if row.logits == "none":
                 continue
             n = row.end - row.start if row.logits == "all" else 1
+            if unit.finished:  # a stop string ended it after this step was launched: its row is dropped
+                offset += n
+                continue
             if unit in self._drafts:
                 speculated.append((unit, row, offset))
                 offset += n
@@ -480,7 +501,13 @@ class Scheduler:
             logits.index_select(0, torch.tensor(index, device=logits.device))
         sampled = sample_batch(rows, [u.sampler for u in todo], self._grammar_masks(todo, early))
         for unit, s in zip(todo, sampled):
-            if unit.gen in self._gens:  # not failed by a choice before it
+            if unit.gen not in self._gens:  # failed by a choice before it
+                continue
+            if self.defer_text and unit.matcher is None:  # a grammar's next mask needs the token's whole effect
+                self._take_token(unit, s.token)
+                self._pending.append((unit, s.token, s.logprob, s.top_logprobs))
+                self._pending_interval = self._auto_interval
+            else:
                 self._advance(unit, s.token, s.logprob, s.top_logprobs)
 
     def _start_masks(self, units: list[Unit]) -> _EarlyMasks | None:
@@ -556,9 +583,44 @@ class Scheduler:
                  append: bool = True) -> bool:
         """Hand on the unit's next token; whether the unit goes on (False: it finished, or its generation failed).
         `append`: the token is new to the sequence (not an accepted draft already in its tokens)."""
-        gen, state = unit.gen, self._gens[unit.gen]
         unit.sampler.observe(token)
         self.generated_tokens += 1
+        return self._hand_on(unit, token, logprob, top, append)
+
+    def _take_token(self, unit: Unit, token: int) -> None:
+        """Of a deferred token (defer_text), what the next step's schedule needs: the sampler's counts, the token in
+        the sequence, or the unit out of the batch if the token itself ends it (an end token, max_tokens)."""
+        unit.sampler.observe(token)
+        self.generated_tokens += 1
+        if unit.stopper.ends_at(token):
+            self._leave(unit)
+        else:
+            unit.kv.tokens.append(token)
+
+    def _hand_on_pending(self) -> None:
+        """The text, stops and events of the deferred tokens (`_take_token` did the rest)."""
+        pending, self._pending = self._pending, []
+        current, self._auto_interval = self._auto_interval, self._pending_interval
+        try:
+            for unit, token, logprob, top in pending:
+                if unit.gen in self._gens:  # not failed or cancelled since
+                    self._hand_on(unit, token, logprob, top, append=False)
+        finally:
+            self._auto_interval = current
+
+    def _leave(self, unit: Unit) -> None:
+        """A finished unit out of the batch (or the queue, where a preemption put it since), its blocks freed."""
+        if unit in self.running:
+            self.running.remove(unit)
+        else:
+            self.waiting.remove(unit)
+        self.runner.free_sequence(unit.kv)
+        unit.finished = True
+
+    def _hand_on(self, unit: Unit, token: int, logprob: float | None, top: list[tuple[int, float]] | None,
+                 append: bool) -> bool:
+        """The token's text and stops, its event, and the unit's end if it finished; whether the unit goes on."""
+        gen, state = unit.gen, self._gens[unit.gen]
         update = unit.stopper.push(token)
         if update.finish_reason is None and unit.matcher is not None:
             if not unit.matcher.advance(token):  # the mask allowed it: a grammar engine failure
@@ -584,8 +646,8 @@ class Scheduler:
                 unit.kv.tokens.append(token)
             return True
         state.completion_tokens += unit.stopper.num_tokens
-        self.running.remove(unit)
-        self.runner.free_sequence(unit.kv)
+        if not unit.finished:
+            self._leave(unit)
         state.open_choices -= 1
         if state.open_choices == 0:
             self._done(gen)

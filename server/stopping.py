@@ -128,17 +128,30 @@ class StopChecker:
             self._sent = ["".join(self._sent)]
         return self._sent[0] if self._sent else ""
 
+    def ends_at(self, token_id: int) -> bool:
+        """Whether `push(token_id)`, next, finishes the choice by the token itself (an end token, max_tokens),
+        before any text is looked at: a stop string may still finish it where this says False."""
+        return self._token_end(token_id, self._num_tokens + 1) is not None
+
+    def _token_end(self, token_id: int, num_tokens: int) -> tuple[str, int | None] | None:
+        if num_tokens > self._min_tokens and not self._ignore_eos and token_id in self._stop_token_ids:
+            return "stop", token_id
+        if self._max_tokens is not None and num_tokens >= self._max_tokens:
+            return "length", None
+        return None
+
     def push(self, token_id: int) -> StopUpdate:
         """Take one generated token; what to send now, and whether (and why) the choice has finished."""
         if self._finished:
             raise RuntimeError("StopChecker.push after the choice finished")
         self._num_tokens += 1
         active = self._num_tokens > self._min_tokens
-        if active and not self._ignore_eos and token_id in self._stop_token_ids:
-            return self._advance(self._detokenizer.flush(), active, finish=("stop", token_id))
+        finish = self._token_end(token_id, self._num_tokens)
+        if finish is not None and finish[0] == "stop":  # an end token: its own text is not sent
+            return self._advance(self._detokenizer.flush(), active, finish=finish)
         new = self._detokenizer.push(token_id)
-        if self._max_tokens is not None and self._num_tokens >= self._max_tokens:
-            return self._advance(new + self._detokenizer.flush(), active, finish=("length", None))
+        if finish is not None:
+            return self._advance(new + self._detokenizer.flush(), active, finish=finish)
         return self._advance(new, active, finish=None)
 
     def end(self) -> StopUpdate:

@@ -401,3 +401,20 @@ def test_end_sends_what_was_held_back_and_stops() -> None:
     assert checker.finished and checker.text == '{"a": "x"}!'
     with pytest.raises(RuntimeError):
         checker.end()
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.sampled_from([10, 11, 12, EOS]), min_size=1, max_size=12),
+       max_tokens=st.one_of(st.none(), st.integers(1, 12)), min_tokens=st.integers(0, 4), ignore_eos=st.booleans())
+def test_ends_at_foretells_a_finish_by_the_token_itself(tokens, max_tokens, min_tokens, ignore_eos) -> None:
+    """`ends_at(t)` says True exactly where `push(t)` then finishes with "length" or with "stop" for the end
+    token; with no stop strings nothing else finishes a choice (what the scheduler's deferred text relies on)."""
+    checker, _, _ = scripted("a", "b", "c", max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos,
+                             stop_token_ids={EOS})
+    for token in tokens:
+        foretold = checker.ends_at(token)
+        update = checker.push(token)
+        assert foretold == (update.finish_reason is not None)
+        if foretold:
+            assert (update.finish_reason, update.stop_reason) in (("length", None), ("stop", EOS))
+            break
