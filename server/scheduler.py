@@ -179,7 +179,7 @@ class Scheduler:
 
     def fail(self, gens: list[Generation], status: int, message: str, code: str | None = None) -> None:
         """End `gens` with an error event, freeing what they hold; what was produced before goes out first."""
-        self._hand_on_pending()  # what was produced before goes out first
+        self._hand_on_pending()  # deferred tokens (defer_text) first
         failing = set(gens)
         for unit in self.running + list(self.waiting):
             if unit.held and unit.gen in failing:
