@@ -64,7 +64,7 @@ def load_speculator(settings: Settings, runner: Runner, device: str, progress: P
     if method is None or runner.is_encoder:
         return None
     config = SpeculativeConfig(method, settings.num_speculative_tokens, settings.ngram_min, settings.ngram_max,
-                               settings.speculative_disable_by_batch_size)
+                               device_default(settings, "speculative_disable_by_batch_size"))
     if method == "ngram":
         return Speculator(config)
     name, quant = settings.draft_model, SELF_DRAFTS.get(settings.draft_model)

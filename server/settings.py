@@ -12,6 +12,7 @@ from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_v
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from engine.chunk_graphs import MAX_CHUNKS
 from engine.registry import DEFAULT_MODEL
 
 from .presets import PresetName
@@ -95,7 +96,8 @@ class Settings(BaseSettings):
         None, description="a draft model of the same vocabulary (a known name or a path; self-int4 or self-int8: "
                           "the served model quantized, CPU), on the same device with its own KV cache")
     speculative_disable_by_batch_size: PositiveInt | None = Field(
-        None, description="no speculation in steps of more decoding sequences than this (default: never off)")
+        None, description="no speculation in steps of more decoding sequences than this (default: never off on "
+                           "CPU; on a GPU 4, the verification rows a CUDA-graph step replays)")
     embeddings: bool = Field(
         False, description="also serve POST /v1/embeddings from a decoder model (an encoder model such as "
                            "all-minilm-l6-v2 serves embeddings only, with or without it)")
@@ -185,14 +187,16 @@ class Settings(BaseSettings):
         return value.lower() if isinstance(value, str) else value
 
 
-CPU_DEFAULTS = {"max_running": 32, "max_batched_tokens": 512}
-GPU_DEFAULTS = {"max_running": 256, "max_batched_tokens": 8192}
+CPU_DEFAULTS = {"max_running": 32, "max_batched_tokens": 512, "speculative_disable_by_batch_size": None}
+# Past MAX_CHUNKS drafting sequences a GPU step runs eagerly, and speculation at 8 streams was slower than none
+# (bench/RESULTS.md, issue 16).
+GPU_DEFAULTS = {"max_running": 256, "max_batched_tokens": 8192, "speculative_disable_by_batch_size": MAX_CHUNKS}
 # An encoder only embeds: its steps need not stay short for decoding streams, and a batch split into small steps
 # pays each step's fixed costs again (a request of 64 sentences: 4 steps instead of 1 under the CPU default).
 ENCODER_DEFAULTS = {"max_batched_tokens": 8192}
 
 
-def device_default(settings: Settings, name: str, encoder: bool = False) -> int:
+def device_default(settings: Settings, name: str, encoder: bool = False) -> int | None:
     """A setting's value, or its default for the settings' device (and an encoder model) when it was left out."""
     value = getattr(settings, name)
     if value is not None:

@@ -115,6 +115,18 @@ def test_an_encoder_takes_whole_batches_unless_told_otherwise() -> None:
     assert device_default(Settings(), "max_running", encoder=True) == 32
 
 
+def test_on_a_gpu_speculation_stops_past_the_rows_a_graph_step_verifies() -> None:
+    """Past MAX_CHUNKS drafting sequences a GPU step runs eagerly (slower than no speculation): the default stops
+    there on a GPU, never on CPU; a value given wins."""
+    from engine.chunk_graphs import MAX_CHUNKS
+    from server.settings import device_default
+
+    name = "speculative_disable_by_batch_size"
+    assert device_default(Settings(device="cuda"), name) == MAX_CHUNKS == 4
+    assert device_default(Settings(), name) is None
+    assert device_default(Settings(device="cuda", speculative_disable_by_batch_size=16), name) == 16
+
+
 def test_pooling_takes_last_or_mean(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EMBERSERVE_POOLING", "MEAN")
     assert Settings().pooling == "mean" and Settings(pooling="last").pooling == "last"
