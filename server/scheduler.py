@@ -610,9 +610,9 @@ class Scheduler:
 
     def _leave(self, unit: Unit) -> None:
         """A finished unit out of the batch (or the queue, where a preemption put it since), its blocks freed."""
-        if unit in self.running:
+        try:
             self.running.remove(unit)
-        else:
+        except ValueError:
             self.waiting.remove(unit)
         self.runner.free_sequence(unit.kv)
         unit.finished = True
