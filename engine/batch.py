@@ -69,6 +69,31 @@ class ForwardBatch(NamedTuple):
     prefill_max_query: int
 
 
+class TokenFeed(NamedTuple):
+    """Tokens a step reads on the device rather than from its rows' sequences (async scheduling: the previous
+    step's samples, not on the host yet): row i's first token is tokens[sources[i]] where sources[i] >= 0, and its
+    place in the sequence holds PENDING_TOKEN. Only a row's first token can be fed."""
+
+    tokens: Tensor         # [K] int64 on the step's device
+    sources: List[int]     # per row: an index into tokens, or -1 (the row's tokens are its sequence's)
+
+    def is_identity(self, rows: int) -> bool:
+        """Whether the first `rows` rows are fed, in order, from tokens[0:rows] (and no other row is)."""
+        return len(self.sources) == rows and all(s == i for i, s in enumerate(self.sources))
+
+
+def feed_ids(ids: Tensor, places: List[int], feed: TokenFeed, rows: List[int]) -> None:
+    """ids[places[j]] = feed.tokens[feed.sources[rows[j]]] for the fed rows among `rows`, on the device and
+    without waiting for it (the indices go over pinned memory)."""
+    pairs = [(p, feed.sources[r]) for p, r in zip(places, rows) if feed.sources[r] >= 0]
+    if not pairs:
+        return
+    index = torch.tensor(pairs, dtype=torch.long).t().contiguous()
+    if ids.device.type == "cuda":
+        index = index.pin_memory().to(ids.device, non_blocking=True)
+    ids.index_copy_(0, index[0], feed.tokens.index_select(0, index[1]).to(ids.dtype))
+
+
 def _slots(seq: KVSequence, start: int, end: int, block_size: int) -> list[int]:
     table = seq.block_table
     return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
@@ -97,13 +122,14 @@ def _tables(tables: list[list[int]], device: torch.device, width: int | None = N
 
 def build_batch(rows: list[StepRow], block_size: int, window: int | None, device: torch.device, *,
                 paged: bool = False, paged_decode: bool = False, chunk_kernel: bool = False,
-                table_width: int | None = None, deterministic: bool = False) -> ForwardBatch:
+                table_width: int | None = None, deterministic: bool = False,
+                feed: TokenFeed | None = None) -> ForwardBatch:
     """Lay out `rows` as one flat forward pass; `window` is the sliding-window size (None: no sliding layers);
     `paged`: attention over cached blocks through the paged kernels (block tables) rather than gathers, the tables
     `table_width` wide (the width CUDA-graph steps use: then every step launches the kernels compiled for those);
     `paged_decode`: the decode rows, and the chunks over cached blocks whose queries times keys are few
     (CPU_PAGED_MAX_CHUNK_WORK; any with `chunk_kernel`), through block tables; longer chunks through gathers (CPU:
-    the compiled kernels)."""
+    the compiled kernels); `feed`: the rows' first tokens that are read on the device (TokenFeed)."""
     decode_rows = [row for row in rows if row.end - row.start == 1]
     short_rows = [row for row in rows if 1 < row.end - row.start < DENSE_MIN_ROWS]
     prefill_rows = short_rows + [row for row in rows if row.end - row.start >= DENSE_MIN_ROWS]
@@ -179,8 +205,13 @@ def build_batch(rows: list[StepRow], block_size: int, window: int | None, device
         paged_prefill = torch.tensor([[b for b, _ in cached], [r.end - r.start for _, r in cached],
                                       [r.end for _, r in cached]], dtype=torch.int32, device=device)
         prefill_tables = _tables([blocks(r) for _, r in cached], device, table_width)
+    ids_tensor = tensor(ids)
+    if feed is not None:
+        index = {id(row): i for i, row in enumerate(rows)}
+        flat = decode_rows + prefill_rows
+        feed_ids(ids_tensor, [begins[id(r)] for r in flat], feed, [index[id(r)] for r in flat])
     return ForwardBatch(
-        tensor(ids), tensor(positions), tensor(slots), tensor(logit_index), block_size, packed, deterministic,
+        ids_tensor, tensor(positions), tensor(slots), tensor(logit_index), block_size, packed, deterministic,
         len(decode_rows), span_first, span_length, key_blocks, full_mask, sliding_mask, block_tables, seq_lens,
         p_begins, p_ends, p_blocks, p_full, p_sliding, paged_prefill, prefill_tables,
         max((r.end - r.start for _, r in cached), default=0))

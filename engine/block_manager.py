@@ -16,6 +16,12 @@ from dataclasses import dataclass, field
 from .errors import EngineError
 
 
+# A token that holds its place in a sequence while it is still being sampled on the device (async scheduling: the
+# next step is scheduled, and reads it from the device, before the host has it). A block holding one is not
+# registered in the prefix cache until the token is known.
+PENDING_TOKEN = -1
+
+
 class NoFreeBlocks(EngineError):
     """The KV pool cannot hold what was asked for, even after evicting every unreferenced cached block."""
 
@@ -214,6 +220,8 @@ class BlockManager:
         while len(seq.block_hashes) < seq.num_computed // bs:
             i = len(seq.block_hashes)
             tokens = tuple(seq.tokens[i * bs:(i + 1) * bs])
+            if PENDING_TOKEN in tokens:  # registered by a later commit, once the token is known
+                return
             h = self._chain(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
             seq.block_hashes.append(h)
             block = seq.block_table[i]

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .batch import DENSE_MIN_ROWS, ForwardBatch, StepRow
+from .batch import DENSE_MIN_ROWS, ForwardBatch, StepRow, TokenFeed
 from .cuda_graphs import DecodeGraphs, bucket_of, capture_buckets, is_decode_row
 from .kv_cache import PagedKVCache
 
@@ -169,13 +169,19 @@ class GraphStep:
         return (self.chunks is not None and 0 < len(chunks) <= MAX_CHUNKS and decoding <= self.decode.max_batch
                 and all(self.chunks.serves(r) for r in chunks))
 
-    def run(self, rows: Sequence[StepRow]) -> torch.Tensor:
+    def run(self, rows: Sequence[StepRow], feed: TokenFeed | None = None) -> torch.Tensor:
         """Float32 logits for the rows' "last" positions (every position of an "all" row) in the rows' order, as an
-        eager step returns them."""
+        eager step returns them; `feed`: decode rows whose token is read on the device."""
         if self.decode.serves(rows):
-            return self.decode.run(rows)
+            return self.decode.run(rows, feed)
         decode_rows = [r for r in rows if is_decode_row(r)]
-        pieces = [self.decode.run(decode_rows)] if decode_rows else []
+        decode_feed = None
+        if feed is not None:
+            if any(s >= 0 and not is_decode_row(r) for r, s in zip(rows, feed.sources)):
+                raise ValueError("only a decode row's token can be fed from the device")
+            sources = [s for r, s in zip(rows, feed.sources) if is_decode_row(r)]
+            decode_feed = TokenFeed(feed.tokens, sources) if any(s >= 0 for s in sources) else None
+        pieces = [self.decode.run(decode_rows, decode_feed)] if decode_rows else []
         # Each row's first row among the pieces joined, and how many it has.
         place = {id(r): (i, 1) for i, r in enumerate(decode_rows)}
         joined = len(decode_rows)

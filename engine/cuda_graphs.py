@@ -2,7 +2,7 @@
 
 A decode step of B rows replays the graph of the smallest bucket >= B (1, 2, 4, ..., 256; O(log N) graphs, at most
 2x padding). The graph was captured over static inputs: per bucket one int32 buffer holding the rows' token ids,
-positions, cache slots, key counts and block tables, filled on the host in pinned memory and sent with one copy per
+positions, cache slots, key counts, feed sources (TokenFeed) and block tables, filled on the host in pinned memory and sent with one copy per
 step. Padding rows read token 0 at position 0, write their key and value to a slot no sequence owns (the pool's
 spare block) and have no keys, so the paged decode kernel skips them; their logits are dropped. The graph runs the
 same modules as every other step (engine/models/base.py): the model's forward, captured.
@@ -16,13 +16,14 @@ from typing import Any
 
 import torch
 
-from .batch import ForwardBatch, StepRow
+from .batch import ForwardBatch, StepRow, TokenFeed
 from .kv_cache import PagedKVCache
 
 log = logging.getLogger("emberserve.engine")
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-_COLUMNS = 4  # ids, positions, slots, key counts; then the block table
+_INPUTS = 4  # ids, positions, slots, key counts: the graph's inputs
+_COLUMNS = 5  # those and the feed sources (read before the replay); then the block table
 
 
 def buckets_for(max_batch: int) -> list[int]:
@@ -45,8 +46,8 @@ def bucket_of(rows: int, buckets: Sequence[int]) -> int | None:
 
 
 class StepStaging:
-    """The static inputs of one bucket: [ids | positions | slots | key counts | tables (rows x width)] as int32, in
-    pinned host memory and on the device, so that a step is one host-to-device copy."""
+    """The static inputs of one bucket: [ids | positions | slots | key counts | feed sources | tables (rows x
+    width)] as int32, in pinned host memory and on the device, so that a step is one host-to-device copy."""
 
     def __init__(self, rows: int, width: int, trash_slot: int, device: torch.device) -> None:
         self.rows, self.width, self.trash_slot = rows, width, trash_slot
@@ -56,11 +57,13 @@ class StepStaging:
         self.device = torch.zeros(size, dtype=torch.int32, device=device)
         self._np = self.host.numpy()
         r = rows
-        self._ids, self._pos, self._slots, self._lens = (self._np[i * r:(i + 1) * r] for i in range(_COLUMNS))
+        self._ids, self._pos, self._slots, self._lens, self._sources = (self._np[i * r:(i + 1) * r]
+                                                                        for i in range(_COLUMNS))
         self._tables = self._np[_COLUMNS * r:].reshape(r, width)
 
-    def fill(self, rows: Sequence[StepRow], block_size: int) -> None:
-        """Write decode `rows` (one new token each) into the host buffer; the rest of the bucket is padding."""
+    def fill(self, rows: Sequence[StepRow], block_size: int, feed: TokenFeed | None = None) -> None:
+        """Write decode `rows` (one new token each) into the host buffer; the rest of the bucket is padding.
+        `feed`'s rows read their token on the device (`feed_ids`, after the upload)."""
         n = len(rows)
         if n > self.rows:
             raise ValueError(f"{n} rows do not fit a bucket of {self.rows}")
@@ -77,6 +80,9 @@ class StepStaging:
         self._pos[n:] = 0
         self._slots[n:] = self.trash_slot
         self._lens[n:] = 0
+        if feed is not None and not feed.is_identity(n):
+            self._sources[:n] = feed.sources
+            self._sources[n:] = -1
 
     def pad(self, block_size: int) -> None:
         """Every row padding (what a capture runs over)."""
@@ -85,10 +91,22 @@ class StepStaging:
     def upload(self) -> None:
         self.device.copy_(self.host, non_blocking=True)
 
+    def feed_ids(self, feed: TokenFeed) -> None:
+        """The fed rows' token ids from `feed.tokens`, on the device (after `fill(..., feed)` and `upload`)."""
+        n = len(feed.sources)
+        ids = self.device[:n]
+        if feed.is_identity(n):  # the common step: the same rows as the step that sampled them
+            ids.copy_(feed.tokens[:n])
+            return
+        r = self.rows
+        sources = self.device[_INPUTS * r:_INPUTS * r + n]
+        fed = feed.tokens.index_select(0, sources.clamp(min=0)).to(ids.dtype)
+        ids.copy_(torch.where(sources >= 0, fed, ids))
+
     def batch(self, block_size: int) -> ForwardBatch:
         """The bucket's ForwardBatch over the device buffer (built inside a capture: its casts are replayed)."""
         r, d = self.rows, self.device
-        ids, positions, slots, lens = (d[i * r:(i + 1) * r] for i in range(_COLUMNS))
+        ids, positions, slots, lens = (d[i * r:(i + 1) * r] for i in range(_INPUTS))
         tables = d[_COLUMNS * r:].view(r, self.width)
         return ForwardBatch(
             ids, positions, slots, torch.arange(r, device=d.device), block_size, r, False, r, 0, 0, None, None,
@@ -126,12 +144,15 @@ class DecodeGraphs:
         return (bool(self._graphs) and len(rows) <= self.max_batch
                 and all(map(is_decode_row, rows)))
 
-    def run(self, rows: Sequence[StepRow]) -> torch.Tensor:
-        """Logits [len(rows), vocab] of a decode step (a view of the graph's output, valid until the next replay)."""
+    def run(self, rows: Sequence[StepRow], feed: TokenFeed | None = None) -> torch.Tensor:
+        """Logits [len(rows), vocab] of a decode step (a view of the graph's output, valid until the next replay);
+        `feed`: rows whose token is read on the device."""
         bucket = bucket_of(len(rows), self.buckets)
         staging = self._staging[bucket]
-        staging.fill(rows, self.block_size)
+        staging.fill(rows, self.block_size, feed)
         staging.upload()
+        if feed is not None:
+            staging.feed_ids(feed)
         graph, logits = self._graphs[bucket]
         graph.replay()
         return logits[:len(rows)]

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .batch import ForwardBatch, StepRow, build_batch
+from .batch import ForwardBatch, StepRow, TokenFeed, build_batch
 from .block_manager import BlockManager, KVSequence
 from .chunk_graphs import CHUNK_BUCKETS, ChunkGraphs, GraphStep
 from .cuda_graphs import DecodeGraphs, table_width
@@ -187,8 +187,9 @@ class Runner:
                 if (error := self.row_error(seq, start, end)) is not None}
 
     @torch.inference_mode()
-    def step(self, rows: list[StepRow]) -> torch.Tensor:
+    def step(self, rows: list[StepRow], feed: TokenFeed | None = None) -> torch.Tensor:
         """One forward pass over every row; float32 logits [R, vocab] for the rows' "last"/"all" positions in order.
+        `feed`: rows whose first token is read on the device (TokenFeed; not with tensor parallelism).
 
         Rows that cannot run (see `row_errors`) raise RowError naming them before anything changes. Blocks are
         allocated here (NoFreeBlocks if the pool cannot hold a row); afterwards each row's sequence counts the
@@ -199,19 +200,21 @@ class Runner:
         errors = self.row_errors(rows)
         if errors:
             raise RowError(errors)
+        if feed is not None and self.tensor_parallel is not None:
+            raise ValueError("a tensor-parallel step reads every token from its rows (no TokenFeed)")
         for row in rows:
             self.blocks.allocate(row.seq, row.end)
         copies = self.blocks.take_copies()
         if self._graph_step is not None and self._graph_step.serves(rows):
             self.cache.copy_blocks(copies)
-            logits = self._graph_step.run(rows)
+            logits = self._graph_step.run(rows, feed)
         else:
             batch = build_batch(rows, self.blocks.block_size, self.config.sliding_window, self.device,
                                 paged=self.paged_attention, paged_decode=self.paged_decode,
                                 chunk_kernel=self.chunk_kernel,
                                 deterministic=self.deterministic,
                                 table_width=table_width(self.context_size, self.blocks.block_size)
-                                if self.paged_attention else None)
+                                if self.paged_attention else None, feed=feed)
             logits = self.forward_batch(batch, copies)
         for row in rows:
             row.seq.num_computed = row.end

@@ -120,7 +120,8 @@ def start_serving(settings: Settings, runners: list[Runner], on_worker_failure: 
     speculators = speculators or [None] * len(runners)
     workers = [Worker(runner, f"worker-{i}", max_running=max_running, threads=threads, on_failure=on_worker_failure,
                       max_batched_tokens=device_default(settings, "max_batched_tokens", encoder=runner.is_encoder),
-                      speculator=speculators[i])
+                      speculator=speculators[i],
+                      async_scheduling=settings.async_scheduling)
                for i, runner in enumerate(runners)]
     for i, worker in enumerate(workers):
         tp = worker.runner.tensor_parallel

@@ -435,15 +435,27 @@ def chosen_tokens(logits: torch.Tensor, samplers: Sequence[SequenceSampler],
     return out
 
 
+def is_plain_greedy(samplers: Sequence[SequenceSampler]) -> bool:
+    """Whether every row is greedy with nothing to adjust (bias, penalties, suppressed tokens) and no logprobs:
+    its token is the argmax of its raw logits, made safe (`greedy_tokens`)."""
+    return all(s.params.is_greedy() and not s.params.logprobs and s.bias_ids is None and s.suppressed is None
+               and s.counts is None and s.prompt_mask is None for s in samplers)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The tokens [B] (int64, on the logits' device) that `sample_batch` picks for plain greedy rows (see
+    `is_plain_greedy`), without a copy to the host: NaN counts as -inf, and a row with no finite logit gets
+    token 0, as the general path's safe logits give."""
+    return logits.nan_to_num(nan=-math.inf, neginf=-math.inf).argmax(-1)
+
+
 def _plain_greedy(logits: torch.Tensor, samplers: Sequence[SequenceSampler]) -> list[SampledToken] | None:
     """The tokens of a batch whose rows are all greedy with nothing to adjust and no logprobs asked, in one pass
     over the logits and one copy to the host; None (the general path decides) when a row's largest logit is not
     finite, or the batch is not of that kind. The common serving step, so it skips the copies the general path
     makes to be safe with NaN and infinities."""
-    for s in samplers:
-        if not s.params.is_greedy() or s.params.logprobs or s.bias_ids is not None or s.suppressed is not None \
-                or s.counts is not None or s.prompt_mask is not None:
-            return None
+    if not is_plain_greedy(samplers):
+        return None
     # Few torch calls: on a GPU each gives up the GIL and may wait to get it back from a busy event loop.
     values, tokens = logits.max(-1)
     tokens, values = tokens.tolist(), values.tolist()

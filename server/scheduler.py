@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 import torch
 
 from engine import Runner
-from engine.batch import StepRow
-from engine.block_manager import KVSequence
+from engine.batch import StepRow, TokenFeed
+from engine.block_manager import PENDING_TOKEN, KVSequence
 from engine.errors import RowError
 
+from .device_tokens import DeviceTokens, TokenLanding, sample_greedy_on_device
 from .embedding_jobs import EmbeddingJob, EmbeddingSteps
 from .generation import ChoiceDelta, EventBatch, Generation, GenerationDone, GenerationFailed, PromptLogprobs, \
     TokenLogprob, merged
@@ -100,6 +101,21 @@ class _EarlyMasks:
 
 
 @dataclass(eq=False)
+class _Inflight:
+    """A step's tokens still on their way to the host (async scheduling): the units that sampled them, in the order
+    of `tokens`, and where each one's PENDING_TOKEN stands in its sequence."""
+
+    units: list[Unit]
+    tokens: DeviceTokens
+    positions: list[int]
+    interval: int  # auto_stream_interval of the step that sampled them
+    index: dict[Unit, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.index = {u: i for i, u in enumerate(self.units)}
+
+
+@dataclass(eq=False)
 class _GenState:
     prompt_tokens: int
     cached_tokens: int = 0
@@ -112,7 +128,8 @@ class Scheduler:
     """Owns the waiting and running sequences of one runner; `step()` advances them all by one forward pass."""
 
     def __init__(self, runner: Runner, max_batched_tokens: int = 512, max_running: int = 32,
-                 speculator: Speculator | None = None, defer_text: bool | None = None) -> None:
+                 speculator: Speculator | None = None, defer_text: bool | None = None,
+                 async_scheduling: bool = False) -> None:
         if max_batched_tokens < max_running:
             # A step's budget must hold a token of every running sequence, or some would wait behind the others.
             raise ValueError(f"max_batched_tokens ({max_batched_tokens}) must be at least max_running "
@@ -143,13 +160,24 @@ class Scheduler:
         self.defer_text = runner.device.type == "cuda" if defer_text is None else defer_text
         self._pending: list[tuple[Unit, int, float | None, list[tuple[int, float]] | None]] = []
         self._pending_interval = 1  # auto_stream_interval of the step that sampled the pending tokens
+        # Async scheduling (vLLM's name; off unless asked for): a plain greedy step's tokens stay on the device
+        # (DeviceTokens); the next step is scheduled and launched reading them there (TokenFeed), each sequence
+        # holding a PENDING_TOKEN in their place, and only then are they taken on the host (`_collect`), beside the
+        # device's work. An end found then has cost its unit one row of the launched step, dropped. Not with
+        # speculation (drafts are read from the tokens) nor a tensor-parallel runner. It pays only where the host's
+        # Python is not already the bottleneck: with the HTTP side on the same GIL it does not (bench/RESULTS.md).
+        self.async_scheduling = async_scheduling and speculator is None \
+            and getattr(runner, "tensor_parallel", None) is None
+        self._inflight: _Inflight | None = None
+        self._landing = TokenLanding(max_running) if self.async_scheduling and runner.device.type == "cuda" \
+            else None
 
     @property
     def num_generations(self) -> int:
         return len(self._gens)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._pending) or self.embeddings.has_work()
+        return bool(self.waiting or self.running or self._pending or self._inflight) or self.embeddings.has_work()
 
     def add(self, gen: Generation | EmbeddingJob) -> None:
         if isinstance(gen, EmbeddingJob):
@@ -179,7 +207,9 @@ class Scheduler:
 
     def fail(self, gens: list[Generation], status: int, message: str, code: str | None = None) -> None:
         """End `gens` with an error event, freeing what they hold; what was produced before goes out first."""
-        self._hand_on_pending()  # deferred tokens (defer_text) first
+        # Deferred tokens (defer_text) first. Tokens still on their way (async scheduling) are not waited for here
+        # (this may run while a step is being scheduled): those of `gens` are never sent, the others' later.
+        self._hand_on_pending()
         failing = set(gens)
         for unit in self.running + list(self.waiting):
             if unit.held and unit.gen in failing:
@@ -200,7 +230,7 @@ class Scheduler:
 
     def fail_all(self, status: int, message: str) -> None:
         """Fail every generation and embedding job this scheduler holds (its worker cannot go on)."""
-        self._stepping = []
+        self._stepping, self._inflight = [], None
         self.fail(list(self._gens), status, message)
         self.embeddings.fail_all(status, message)
 
@@ -241,9 +271,12 @@ class Scheduler:
         # Drafts take the budget's tokens beyond one for every decoding sequence.
         spare = budget - sum(1 for u in order if u.kv.num_pending <= 1)
         running = set(self.running)  # membership in O(1): preemption and failures take units out as we go
+        inflight = self._inflight
         for unit in order:
             if unit not in running or budget <= 0 or unit.gen.backlogged:
                 continue  # preempted or failed meanwhile, out of budget, or paused: its reader is far behind
+            if inflight is not None and unit in inflight.index and unit.stopper.ends_next():
+                continue  # its token on the way is its last (max_tokens): no row for what would follow
             take = min(unit.kv.num_pending, budget)
             if self._refused(unit, take):
                 running = set(self.running)
@@ -276,6 +309,8 @@ class Scheduler:
         while self.waiting and budget > 0 and (not self.running or
                                                len(self.running) + self.waiting[0].slots <= self.max_running):
             unit = self.waiting[0]
+            if unit.kv.tokens and unit.kv.tokens[-1] == PENDING_TOKEN:
+                break  # preempted just now with its token on the way: it is back once the token is taken
             if unit.kv.num_computed == 0 and not unit.kv.block_table:
                 if unit.wants_prompt_logprobs:
                     # Every prompt position's logprob is computed, so no prefix is reused; a restart recomputes.
@@ -347,8 +382,9 @@ class Scheduler:
         """The runner's step over `units`; rows it refuses fail their generations (400) and the rest run."""
         while units:
             rows = self._rows(units)
+            feed = self._feed(units, rows)
             try:
-                return units, rows, self.runner.step(rows)
+                return units, rows, self.runner.step(rows) if feed is None else self.runner.step(rows, feed)
             except RowError as e:  # what _refused did not foresee: fail those rows, run the rest
                 for i, message in sorted(e.errors.items()):
                     log.warning("%s: %s", units[i].gen.request_id, message)
@@ -358,8 +394,9 @@ class Scheduler:
 
     def step(self) -> None:
         """One forward pass: of pending embeddings or of the generations, taking turns while both have work."""
-        generating = bool(self.waiting or self.running or self._pending)
+        generating = bool(self.waiting or self.running or self._pending or self._inflight)
         if self.embeddings.has_work() and (self._embeddings_turn or not generating):
+            self._collect()
             self._hand_on_pending()
             self.events.flush()
             self._embeddings_turn = False
@@ -380,7 +417,8 @@ class Scheduler:
         try:
             done = self._forward(self._stepping)
         finally:
-            if self._pending:  # the last step's text and events, while the device computes this one
+            if self._inflight is not None or self._pending:  # the last step's tokens, text and events, while the
+                self._collect()                                # device computes this one
                 self._hand_on_pending()
                 self.events.flush()
         if done is None:
@@ -499,6 +537,11 @@ class Scheduler:
         # The common step (every row a decode row's next token, in order) samples the logits as they are.
         rows = logits if index == list(range(len(logits))) else \
             logits.index_select(0, torch.tensor(index, device=logits.device))
+        if self.async_scheduling and early is None and all(u.matcher is None for u in todo):
+            tokens = sample_greedy_on_device(rows, [u.sampler for u in todo], self._landing)
+            if tokens is not None:
+                self._launched(todo, tokens)
+                return
         sampled = sample_batch(rows, [u.sampler for u in todo], self._grammar_masks(todo, early))
         for unit, s in zip(todo, sampled):
             if unit.gen not in self._gens:  # failed by a choice before it
@@ -596,6 +639,44 @@ class Scheduler:
             self._leave(unit)
         else:
             unit.kv.tokens.append(token)
+
+    def _launched(self, units: list[Unit], tokens: DeviceTokens) -> None:
+        """Async scheduling: `units`' next tokens are on the device; each sequence holds their place."""
+        positions = []
+        for unit in units:
+            positions.append(len(unit.kv.tokens))
+            unit.kv.tokens.append(PENDING_TOKEN)
+        self._inflight = _Inflight(units, tokens, positions, self._auto_interval)
+
+    def _feed(self, units: list[Unit], rows: list[StepRow]) -> TokenFeed | None:
+        """The rows whose token is on its way (async scheduling): the step reads it on the device."""
+        inflight = self._inflight
+        if inflight is None:
+            return None
+        sources = []
+        for unit, row in zip(units, rows):
+            i = inflight.index.get(unit, -1)
+            if i >= 0 and (row.start != inflight.positions[i] or row.end != row.start + 1):
+                raise RuntimeError(f"a row [{row.start}, {row.end}) holds a token still on its way at "
+                                   f"{inflight.positions[i]}")
+            sources.append(i)
+        return TokenFeed(inflight.tokens.tokens, sources) if any(s >= 0 for s in sources) else None
+
+    def _collect(self) -> None:
+        """The tokens on their way (async scheduling), taken: into their sequences, then their text, stops and
+        events (a unit they end leaves the batch; its row in a step launched since is dropped)."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return
+        tokens = inflight.tokens.collect()
+        current, self._auto_interval = self._auto_interval, inflight.interval
+        try:
+            for unit, position, token in zip(inflight.units, inflight.positions, tokens):
+                if unit.gen in self._gens:  # not failed or cancelled since
+                    unit.kv.tokens[position] = token
+                    self._advance(unit, token, None, None, append=False)
+        finally:
+            self._auto_interval = current
 
     def _hand_on_pending(self) -> None:
         """The text, stops and events of the deferred tokens (`_take_token` did the rest)."""

@@ -72,6 +72,10 @@ class Settings(BaseSettings):
     cuda_graphs: bool = Field(
         True, description="on a GPU, run decode steps and prompt chunks as CUDA graphs captured at start-up per "
                           "batch-size and chunk-length bucket")
+    async_scheduling: bool = Field(
+        False, description="launch the next step before the host has a greedy step's tokens (it reads them on the "
+                           "device), so that scheduling, detokenizing and stop checks run beside the device's work "
+                           "(GPU; not with speculative decoding or tensor parallelism)")
     dense_prefill: bool | None = Field(
         None, description="with int4/int8 weights, also keep a bfloat16 copy of the layer weights for prompts, for 2 "
                           "bytes per weight more memory (default: where it is faster, i.e. unless the int8 "

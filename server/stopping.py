@@ -133,6 +133,10 @@ class StopChecker:
         before any text is looked at: a stop string may still finish it where this says False."""
         return self._token_end(token_id, self._num_tokens + 1) is not None
 
+    def ends_next(self) -> bool:
+        """Whether the next token pushed finishes the choice, whatever it is (max_tokens)."""
+        return self._max_tokens is not None and self._num_tokens + 1 >= self._max_tokens
+
     def _token_end(self, token_id: int, num_tokens: int) -> tuple[str, int | None] | None:
         if num_tokens > self._min_tokens and not self._ignore_eos and token_id in self._stop_token_ids:
             return "stop", token_id

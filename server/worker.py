@@ -39,11 +39,12 @@ class Worker:
 
     def __init__(self, runner: Runner, name: str = "worker-0", max_batched_tokens: int = 512,
                  max_running: int = 32, threads: int | None = None,
-                 on_failure: Callable[[Worker], None] | None = None, speculator: Speculator | None = None) -> None:
+                 on_failure: Callable[[Worker], None] | None = None, speculator: Speculator | None = None,
+                 async_scheduling: bool = False) -> None:
         self.runner, self.threads = runner, threads  # threads: torch intra-op threads of this worker (None: as set)
         self.name, self.on_failure = name, on_failure
         self.scheduler = Scheduler(runner, max_batched_tokens=max_batched_tokens, max_running=max_running,
-                                   speculator=speculator)
+                                   speculator=speculator, async_scheduling=async_scheduling)
         self._inbox: queue.SimpleQueue[Generation | EmbeddingJob | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._stopping = False

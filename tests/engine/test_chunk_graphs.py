@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import load_runner
-from engine.batch import StepRow
+from engine.batch import StepRow, TokenFeed
 from engine.block_manager import KVSequence
 from engine.chunk_graphs import ALL_LOGITS_TOKENS, CHUNK_BUCKETS, MAX_CHUNKS, ChunkStaging, GraphStep, chunk_buckets
 from engine.cuda_graphs import bucket_of, table_width
@@ -91,8 +91,11 @@ class _Decode:
     def serves(self, rows) -> bool:
         return bool(rows) and all(r.end - r.start == 1 and r.logits == "last" for r in rows)
 
-    def run(self, rows) -> torch.Tensor:
-        return torch.tensor([[1000.0 * r.seq.tokens[r.start]] * 3 for r in rows])
+    def run(self, rows, feed=None) -> torch.Tensor:
+        """A fed row's token is feed.tokens[its source] (engine.batch.TokenFeed)."""
+        tokens = [r.seq.tokens[r.start] if feed is None or feed.sources[i] < 0 else int(feed.tokens[feed.sources[i]])
+                  for i, r in enumerate(rows)]
+        return torch.tensor([[1000.0 * t] * 3 for t in tokens])
 
 
 class _Chunks:
@@ -144,6 +147,18 @@ def test_a_graph_step_returns_the_logits_in_the_rows_order() -> None:
     only_chunks = step.run([_row(3, 0, 20, "none"), _row(4, 0, 5)])
     assert only_chunks[:, 0].tolist() == [4.0]
     assert step.run([_row(3, 0, 20, "none")]).shape == (0, 3)
+
+
+def test_a_graph_step_feeds_its_decode_rows_only() -> None:
+    """A TokenFeed over a step's rows reaches the decode rows' graph with each decode row's own source (the chunks
+    between them left out); a fed chunk is refused."""
+    step = GraphStep(_Decode(), _Chunks())
+    rows = [_row(5, 10, 20), _row(1, 3, 4), _row(6, 0, 14), _row(2, 8, 9), _row(4, 2, 3)]
+    feed = TokenFeed(torch.tensor([7, 8, 9]), [-1, 2, -1, -1, 0])
+    assert step.run(rows, feed)[:, 0].tolist() == [5.0, 9000.0, 6.0, 2000.0, 7000.0]
+    assert step.run(rows[1:2], TokenFeed(torch.tensor([3]), [0]))[:, 0].tolist() == [3000.0]  # decode rows only
+    with pytest.raises(ValueError, match="decode row"):
+        step.run(rows, TokenFeed(torch.tensor([7]), [0, -1, -1, -1, -1]))
 
 
 def test_a_graph_step_leaves_other_steps_to_the_eager_path() -> None:

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from engine import load_runner
-from engine.batch import StepRow
+from engine.batch import StepRow, TokenFeed
+from engine.block_manager import PENDING_TOKEN
 from engine.cuda_graphs import bucket_of
 from tiny_models import VARIANTS, assert_logits_close, build_tiny_model, hf_greedy, hf_logits, prompt_ids, \
     reference_model
@@ -158,3 +159,47 @@ def test_graphs_serve_only_pure_decode_steps(tinies) -> None:
     assert not runner.graphs.serves([StepRow(a, 10, 11, logits="all")])
     many = [StepRow(a, 10, 11)] * 5
     assert not runner.graphs.serves(many)  # past the largest bucket (4)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_fed_tokens_equal_host_tokens(tinies, graphs) -> None:
+    """Decode steps that read each row's token on the device (TokenFeed, async scheduling) compute what the same
+    steps compute with the tokens from the host: fed in the order they were sampled, in another order, with a row
+    not fed, and beside a prompt chunk (graph steps: the decode bucket's input fix-up and GraphStep's split);
+    through the graphs and eagerly."""
+    tiny = tinies["qwen3"]
+    results = []
+    for fed in (False, True):
+        runner = load_runner(str(tiny.safetensors_dir), device="cuda", dtype="float32")
+        if graphs:
+            runner.capture_cuda_graphs(8, chunk_tokens=64)
+        seqs = [runner.new_sequence(prompt_ids(tiny, i % 2, n), use_prefix_cache=False)
+                for i, n in enumerate([3, 17, 9, 30, 12])]
+        chunk = runner.new_sequence(prompt_ids(tiny, 1, 20), use_prefix_cache=False)
+        logits = runner.step([StepRow(s, 0, len(s.tokens)) for s in seqs])
+        order, out = list(range(5)), []
+        for step in range(8):
+            tokens = logits.argmax(-1)  # row i: seqs[order[i]]
+            host = tokens.tolist()
+            for i, j in enumerate(order):
+                seqs[j].tokens.append(PENDING_TOKEN if fed else host[i])
+            new_order = order if step % 3 == 0 else order[::-1]
+            sources = [order.index(j) for j in new_order]
+            if step == 6:  # a row whose token the host has
+                seqs[new_order[2]].tokens[-1] = host[sources[2]]
+                sources[2] = -1
+            rows = [StepRow(seqs[j], seqs[j].num_computed, len(seqs[j].tokens)) for j in new_order]
+            if step == 4:
+                rows.insert(1, StepRow(chunk, 0, 16, "none"))
+                sources.insert(1, -1)
+            logits = runner.step(rows, TokenFeed(tokens, sources)) if fed else runner.step(rows)
+            for i, j in enumerate(order):
+                seqs[j].tokens[-1] = host[i]  # the host has the tokens now
+            out.append(logits.float().cpu())
+            order = new_order
+        results.append(out)
+        assert all(PENDING_TOKEN not in s.tokens for s in seqs)
+        for s in seqs + [chunk]:
+            runner.free_sequence(s)
+    for step, (host_fed, device_fed) in enumerate(zip(*results)):
+        assert torch.equal(host_fed, device_fed), (graphs, step)

@@ -1,5 +1,6 @@
 """A real `--device cuda` server (skipped without CUDA; run on the GPU machine): 128 concurrent clients with mixed
-sampling fields, a fifth of them leaving at random moments (bench/soak.py), then nothing leaked and no 5xx."""
+sampling fields, a fifth of them leaving at random moments (bench/soak.py), then nothing leaked and no 5xx; with
+and without async scheduling."""
 from __future__ import annotations
 
 import asyncio
@@ -15,10 +16,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 SMALL = Shape("llama", 256, 4, 4, 2, 64, 512, 49152, 10000.0)  # the soak's token ids fit its vocabulary
 
 
-def test_a_cuda_server_under_128_clients_leaves_nothing_behind(tmp_path) -> None:
+@pytest.mark.parametrize("flags", [[], ["--async-scheduling"]], ids=["default", "async-scheduling"])
+def test_a_cuda_server_under_128_clients_leaves_nothing_behind(tmp_path, flags) -> None:
     model = write_model_dir(SMALL, tmp_path / "model", device="cuda")
     srv = start_server(tmp_path, "--model", str(model.path), "--device", "cuda", "--served-model-name", soak.MODEL,
-                       "--max-running", "128", "--kv-cache-memory", "2GiB")
+                       "--max-running", "128", "--kv-cache-memory", "2GiB", *flags)
     try:
         result = asyncio.run(soak.soak(srv.base_url, srv.process.pid, requests=600, concurrency=128,
                                        leave_fraction=0.2, max_tokens=48, mark=200, seed=2))

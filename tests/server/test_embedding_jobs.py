@@ -127,7 +127,7 @@ def test_embeddings_and_generations_take_turns_on_a_decoder(tiny_path: Path) -> 
         kinds = []
         real_embed, real_step = runner.embed, runner.step
         runner.embed = lambda batch, pooling=None: kinds.append("embed") or real_embed(batch, pooling)
-        runner.step = lambda rows: kinds.append("gen") or real_step(rows)
+        runner.step = lambda rows, *feed: kinds.append("gen") or real_step(rows, *feed)
         try:
             _drive(sched)
         finally:

@@ -129,9 +129,9 @@ def test_a_worker_steps_on_its_share_of_the_cpu_threads(tiny_path: Path) -> None
     seen: list[int] = []
     step = runner.step
 
-    def recording_step(rows):
+    def recording_step(rows, *feed):
         seen.append(torch.get_num_threads())
-        return step(rows)
+        return step(rows, *feed)
 
     runner.step = recording_step
     before = torch.get_num_threads()
@@ -230,7 +230,7 @@ def test_a_crashed_step_fails_only_the_requests_in_it(tiny_path: Path) -> None:
         for g in (first, second, third):
             sched.add(g)
         real = runner.step
-        runner.step = lambda rows: (_ for _ in ()).throw(RuntimeError("boom"))
+        runner.step = lambda rows, *feed: (_ for _ in ()).throw(RuntimeError("boom"))
         with pytest.raises(RuntimeError):
             sched.step()
         assert sched.fail_step(500, "internal error") == 2  # first and second ran in it; third waited
@@ -457,12 +457,15 @@ def test_stream_interval_zero_follows_the_load(tiny_path: Path) -> None:
     assert asyncio.run(main(1)) == [[1] * 10]
 
 
-def _outcomes(runner, requests: list[dict], defer: bool) -> list[tuple]:
+def _outcomes(runner, requests: list[dict], defer: bool, async_scheduling: bool = False) -> list[tuple]:
     """Each request run as a Generation beside the others: per choice its tokens, text, finish and stop reasons and
-    logprobs, then the usage; with the text of each token deferred (Scheduler.defer_text) or not."""
+    logprobs, then the usage; with the text of each token deferred (Scheduler.defer_text) or not, and the next step
+    launched before the host has a greedy step's tokens (Scheduler.async_scheduling) or not."""
 
     async def main() -> list[tuple]:
-        sched = Scheduler(runner, max_batched_tokens=48, max_running=8, defer_text=defer)
+        sched = Scheduler(runner, max_batched_tokens=48, max_running=8, defer_text=defer,
+                          async_scheduling=async_scheduling)
+        assert sched.async_scheduling == async_scheduling
         gens = [Generation(**r) for r in requests]
         for g in gens:
             sched.add(g)
@@ -516,3 +519,73 @@ def test_deferred_text_changes_no_output(tiny_path: Path) -> None:
         for c, d in zip(choices, again):
             assert [t.token for t in c[4]] == [t.token for t in d[4]]
             assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(c[4], d[4]))
+
+
+def _feeding(runner) -> list[int]:
+    """Counts, as the scheduler runs, the steps of `runner` that read tokens on the device (engine.batch.TokenFeed):
+    [steps, fed rows]."""
+    counts, step = [0, 0], runner.step
+
+    def counted(rows, feed=None):
+        if feed is not None:
+            counts[0] += 1
+            counts[1] += sum(s >= 0 for s in feed.sources)
+            return step(rows, feed)
+        return step(rows)
+
+    runner.step = counted
+    return counts
+
+
+def test_async_scheduling_changes_no_output(tiny_path: Path) -> None:
+    """With async scheduling (`--async-scheduling`: a plain greedy step's tokens stay on the device, the next step
+    is launched reading them there, and the host takes them afterwards) every generation gets what it gets without:
+    the same tokens, text, finish and stop reasons, logprobs and usage, on a pool small enough to preempt, with stop
+    strings, an end token and max_tokens ending greedy rows mid-way and seeded sampled rows (n = 2, logprobs)
+    beside them; and nothing is left held."""
+    base = load_runner(tiny_path, dtype="float32")
+    per_token = kv_bytes_per_token(base.config, base.dtype)
+    runner = load_runner(tiny_path, dtype="float32", kv_cache_memory=per_token * 16 * 10, prefix_caching=False)
+    greedy, sampled = SamplingParams(temperature=0), SamplingParams(temperature=0.9, seed=3, logprobs=True,
+                                                                    top_logprobs=2)
+    requests = [dict(prompt_ids=PROMPTS[i], params=greedy, max_tokens=30 - i, ignore_eos=True) for i in range(4)]
+    requests += [dict(prompt_ids=PROMPTS[4], params=sampled, max_tokens=12, n=2, ignore_eos=True, stream_interval=3),
+                 dict(prompt_ids=PROMPTS[5], params=greedy, max_tokens=1, ignore_eos=True)]
+    plain = _outcomes(runner, requests, defer=False)
+    text0, tokens1 = plain[0][0][0][1], plain[1][0][0][0]
+    assert len(text0) >= 12
+    requests[0]["stop"] = [text0[len(text0) // 2:len(text0) // 2 + 3]]
+    requests[1].update(ignore_eos=False, stop_token_ids=frozenset({tokens1[12]}))
+    plain = _outcomes(runner, requests, defer=False)
+    assert plain[0][0][0][2:4] == ("stop", requests[0]["stop"][0]) and len(plain[0][0][0][0]) < 30
+    assert plain[1][0][0][2] == "stop" and len(plain[1][0][0][0]) <= 13
+    fed = _feeding(runner)
+    for defer in (False, True):
+        again = _outcomes(runner, requests, defer=defer, async_scheduling=True)
+        strip = [([c[:4] for c in choices], done) for choices, done in plain]
+        assert [([c[:4] for c in choices], done) for choices, done in again] == strip
+        for (choices, _), (other, _) in zip(plain, again):
+            for c, d in zip(choices, other):
+                assert [t.token for t in c[4]] == [t.token for t in d[4]]
+                assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(c[4], d[4]))
+    assert fed[0] > 20 and fed[1] > 60, fed  # most greedy steps read their tokens on the device
+
+
+def test_async_scheduling_caches_generated_blocks(tiny_path: Path) -> None:
+    """A block that held a token still on its way (async scheduling) enters the prefix cache once the token is
+    known: a second turn continuing each first turn's output reuses as many cached tokens as without async
+    scheduling, more than the first turn's prompt."""
+    greedy = SamplingParams(temperature=0)
+
+    def turns(async_scheduling: bool) -> tuple[list[tuple], list[tuple]]:
+        runner = load_runner(tiny_path, dtype="float32")
+        first = [dict(prompt_ids=PROMPTS[i], params=greedy, max_tokens=40, ignore_eos=True) for i in range(3)]
+        one = _outcomes(runner, first, defer=False, async_scheduling=async_scheduling)
+        second = [dict(prompt_ids=PROMPTS[i] + choices[0][0] + [7, 8], params=greedy, max_tokens=4, ignore_eos=True)
+                  for i, (choices, _) in enumerate(one)]
+        return one, _outcomes(runner, second, defer=False, async_scheduling=async_scheduling)
+
+    plain, fed = turns(False), turns(True)
+    assert fed == plain
+    for (_, done), prompt in zip(fed[1], PROMPTS):
+        assert done[0].cached_tokens > len(prompt) + 16, (done[0], len(prompt))

@@ -38,12 +38,12 @@ class Failure:
         self.real = runner.step
         self.exc, self.on, self.calls, self.raised = exc, True, 0, 0
 
-    def __call__(self, rows):
+    def __call__(self, rows, *feed):
         self.calls += 1
         if self.on and self.calls > FAIL_AFTER:
             self.raised += 1
             raise self.exc
-        return self.real(rows)
+        return self.real(rows, *feed)
 
 
 @pytest.fixture
