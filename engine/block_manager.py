@@ -85,6 +85,10 @@ class BlockManager:
         return max(0, -(-total_tokens // bs) - len(table)) + copies
 
     def can_allocate(self, seq: KVSequence, total_tokens: int, reserve: int = 0) -> bool:
+        table, bs = seq.block_table, self.block_size
+        first = seq.num_computed // bs
+        if total_tokens <= len(table) * bs and first == (total_tokens - 1) // bs and not self._shared(table[first]):
+            return reserve <= self.num_free  # the common decode step (as in `allocate`): nothing to take
         return self.blocks_needed(seq, total_tokens) + reserve <= self.num_free
 
     def _pop_free(self) -> int:

@@ -506,10 +506,15 @@ def _random_run(rng: random.Random, prefix_caching: bool, steps: int, bs: int) -
             end = rng.randint(seq.num_computed + 1, len(seq.tokens))
             before = (list(seq.block_table), list(bm.refcount), bm.num_free)
             cached = set(bm._evictable)
+            # can_allocate (its decode fast path included) says exactly whether the allocation succeeds
+            fits = bm.can_allocate(seq, end)
+            assert fits == (bm.blocks_needed(seq, end) <= bm.num_free)
             try:
                 counts["cow"] += bool(pool.compute(seq, end))
                 counts["evicted"] += len(cached & set(seq.block_table) - set(before[0]))
+                assert fits
             except NoFreeBlocks:
+                assert not fits
                 counts["alloc_fail"] += 1
                 # allocate is all or nothing, copy-on-write included
                 if len(seq.block_table) == len(before[0]):
