@@ -2,8 +2,8 @@
 
 A decode step of B rows replays the graph of the smallest bucket >= B (1, 2, 4, ..., 256; O(log N) graphs, at most
 2x padding). The graph was captured over static inputs: per bucket one int32 buffer holding the rows' token ids,
-positions, cache slots, key counts, feed sources (TokenFeed) and block tables, filled on the host in pinned memory and sent with one copy per
-step. Padding rows read token 0 at position 0, write their key and value to a slot no sequence owns (the pool's
+positions, cache slots, key counts, feed sources (TokenFeed) and block tables, filled on the host in pinned memory
+and sent with one copy per step. Padding rows read token 0 at position 0, write their key and value to a slot no sequence owns (the pool's
 spare block) and have no keys, so the paged decode kernel skips them; their logits are dropped. The graph runs the
 same modules as every other step (engine/models/base.py): the model's forward, captured.
 """
@@ -61,9 +61,9 @@ class StepStaging:
                                                                         for i in range(_COLUMNS))
         self._tables = self._np[_COLUMNS * r:].reshape(r, width)
 
-    def fill(self, rows: Sequence[StepRow], block_size: int, feed: TokenFeed | None = None) -> None:
+    def fill(self, rows: Sequence[StepRow], block_size: int, sources: Sequence[int] | None = None) -> None:
         """Write decode `rows` (one new token each) into the host buffer; the rest of the bucket is padding.
-        `feed`'s rows read their token on the device (`feed_ids`, after the upload)."""
+        `sources`: a TokenFeed's that `feed_ids` reads after the upload (None where the feed is an identity)."""
         n = len(rows)
         if n > self.rows:
             raise ValueError(f"{n} rows do not fit a bucket of {self.rows}")
@@ -80,8 +80,8 @@ class StepStaging:
         self._pos[n:] = 0
         self._slots[n:] = self.trash_slot
         self._lens[n:] = 0
-        if feed is not None and not feed.is_identity(n):
-            self._sources[:n] = feed.sources
+        if sources is not None:
+            self._sources[:n] = sources
             self._sources[n:] = -1
 
     def pad(self, block_size: int) -> None:
@@ -91,11 +91,12 @@ class StepStaging:
     def upload(self) -> None:
         self.device.copy_(self.host, non_blocking=True)
 
-    def feed_ids(self, feed: TokenFeed) -> None:
-        """The fed rows' token ids from `feed.tokens`, on the device (after `fill(..., feed)` and `upload`)."""
+    def feed_ids(self, feed: TokenFeed, identity: bool) -> None:
+        """The fed rows' token ids from `feed.tokens`, on the device (after `fill` and `upload`); `identity`:
+        `feed.is_identity(rows)`, else `fill` was given its sources."""
         n = len(feed.sources)
         ids = self.device[:n]
-        if feed.is_identity(n):  # the common step: the same rows as the step that sampled them
+        if identity:  # the common step: the same rows as the step that sampled them
             ids.copy_(feed.tokens[:n])
             return
         r = self.rows
@@ -149,10 +150,11 @@ class DecodeGraphs:
         `feed`: rows whose token is read on the device."""
         bucket = bucket_of(len(rows), self.buckets)
         staging = self._staging[bucket]
-        staging.fill(rows, self.block_size, feed)
+        identity = feed is not None and feed.is_identity(len(rows))
+        staging.fill(rows, self.block_size, None if feed is None or identity else feed.sources)
         staging.upload()
         if feed is not None:
-            staging.feed_ids(feed)
+            staging.feed_ids(feed, identity)
         graph, logits = self._graphs[bucket]
         graph.replay()
         return logits[:len(rows)]

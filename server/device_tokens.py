@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .sampling import SequenceSampler, greedy_tokens, is_plain_greedy
+from .sampling import SequenceSampler, check_logits, greedy_tokens, is_plain_greedy
 
 
 class TokenLanding:
@@ -54,8 +54,7 @@ def sample_greedy_on_device(logits: torch.Tensor, samplers: Sequence[SequenceSam
                             landing: TokenLanding | None = None) -> DeviceTokens | None:
     """The rows' tokens as `sample_batch` picks them, left on the device (their copy to the host lands in
     `landing`); None unless every row is plain greedy."""
-    if len(logits) != len(samplers):
-        raise ValueError(f"{len(logits)} rows of logits for {len(samplers)} samplers")
+    check_logits(logits, samplers)
     if not samplers or not is_plain_greedy(samplers):
         return None
     return DeviceTokens(greedy_tokens(logits), landing)

@@ -196,7 +196,8 @@ def _acc_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
-def _check(logits: torch.Tensor, samplers: Sequence[SequenceSampler]) -> None:
+def check_logits(logits: torch.Tensor, samplers: Sequence[SequenceSampler]) -> None:
+    """Logits [len(samplers), vocab] with the samplers' vocabulary, or ValueError."""
     if logits.dim() != 2 or logits.shape[0] != len(samplers):
         raise ValueError(f"logits must be [{len(samplers)}, vocab], got {list(logits.shape)}")
     for s in samplers:
@@ -396,7 +397,7 @@ def sample_batch(logits: torch.Tensor, samplers: Sequence[SequenceSampler],
                  allowed: AllowedTokens | None = None) -> list[SampledToken]:
     """One token per row of `logits` [B, vocab]; `allowed` masks the grammar-constrained rows. Does not call
     observe (the caller does, once it keeps the token)."""
-    _check(logits, samplers)
+    check_logits(logits, samplers)
     if not samplers:
         return []
     fast = None if allowed is not None else _plain_greedy(logits, samplers)
@@ -428,7 +429,7 @@ def chosen_tokens(logits: torch.Tensor, samplers: Sequence[SequenceSampler],
                   tokens: Sequence[int]) -> list[SampledToken]:
     """`tokens` chosen at the rows of `logits` [B, vocab], with their raw logprobs for the rows that ask (as
     `sample_batch` gives them)."""
-    _check(logits, samplers)
+    check_logits(logits, samplers)
     out = [SampledToken(int(t), None, None) for t in tokens]
     if out:
         _fill_logprobs(logits, samplers, torch.tensor([s.token for s in out], device=logits.device), out)
@@ -468,7 +469,7 @@ def _plain_greedy(logits: torch.Tensor, samplers: Sequence[SequenceSampler]) -> 
 def sampling_probs(logits: torch.Tensor, samplers: Sequence[SequenceSampler],
                    allowed: AllowedTokens | None = None) -> torch.Tensor:
     """The distribution [B, vocab] each row's next token is drawn from (one-hot for greedy rows); for tests."""
-    _check(logits, samplers)
+    check_logits(logits, samplers)
     x = _adjusted_logits(logits, samplers, allowed)
     probs = torch.zeros_like(x)
     greedy = [i for i, s in enumerate(samplers) if s.params.is_greedy()]

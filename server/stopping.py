@@ -135,12 +135,15 @@ class StopChecker:
 
     def ends_next(self) -> bool:
         """Whether the next token pushed finishes the choice, whatever it is (max_tokens)."""
-        return self._max_tokens is not None and self._num_tokens + 1 >= self._max_tokens
+        return self._reaches_max_tokens(self._num_tokens + 1)
+
+    def _reaches_max_tokens(self, num_tokens: int) -> bool:
+        return self._max_tokens is not None and num_tokens >= self._max_tokens
 
     def _token_end(self, token_id: int, num_tokens: int) -> tuple[str, int | None] | None:
         if num_tokens > self._min_tokens and not self._ignore_eos and token_id in self._stop_token_ids:
             return "stop", token_id
-        if self._max_tokens is not None and num_tokens >= self._max_tokens:
+        if self._reaches_max_tokens(num_tokens):
             return "length", None
         return None
 
