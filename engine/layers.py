@@ -67,16 +67,33 @@ def dense_matmul(x: Tensor, w: Tensor, bias: Optional[Tensor] = None, bucket: in
     return F.linear(x if pad == 0 else F.pad(x, (0, 0, 0, pad)), w, bias)[:m]
 
 
+def tiled_matmul(x: Tensor, w: Tensor, bias: Optional[Tensor] = None, tile: int = DENSE_ROW_BUCKET) -> Tensor:
+    """x @ w^T (+ bias) as calls of exactly `tile` rows each (the last padded), so every row's sums are those of
+    one fixed-shape kernel call, however many rows the step has.
+
+    Padding alone is not enough: MKL picks its blocking along the inner dimension by the row count (float32 on an
+    AVX-512 Xeon: a [64, 1536] call sums a row differently from a [48, 1536] one), so a token's logits would
+    depend on its chunk's length. Within one shape a row's result does not depend on where it sits among the
+    others (tests/engine/test_layers.py checks both).
+    """
+    m = x.shape[0]
+    pad = -m % tile
+    padded = x if pad == 0 else F.pad(x, (0, 0, 0, pad))
+    if padded.shape[0] == tile:
+        return F.linear(padded, w, bias)[:m]
+    return torch.cat([F.linear(part, w, bias) for part in padded.split(tile)])[:m]
+
+
 class Linear(nn.Linear):
     """A dense linear layer called like the packed ones (quant.PackedLinear): x [M, in] and the step's routing.
 
-    Deterministic steps on CPU pad the rows (dense_matmul): a one-row call would take a matrix-vector kernel whose
-    sums differ from the matrix-matrix one's.
+    Deterministic steps on CPU take fixed-shape calls (tiled_matmul): a one-row call would take a matrix-vector
+    kernel, and calls of different row counts sum in different orders.
     """
 
     def forward(self, x: Tensor, packed_rows: int = 0, deterministic: bool = False) -> Tensor:
         if deterministic and x.is_cpu:
-            return dense_matmul(x, self.weight, self.bias)
+            return tiled_matmul(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
