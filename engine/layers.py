@@ -120,10 +120,21 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int, freq_factors: Optional[Tensor
 
 def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos and sign-folded sin [N, 1, head_dim] of `positions` [N], the tables `apply_rope` takes."""
+    return rope_lookup(*rope_table(inv_freq, positions, dtype), None)
+
+
+def rope_table(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin [N, head_dim / 2] of `positions` [N] in `dtype`, from float32 angles."""
     angles = positions.float().unsqueeze(-1) * inv_freq
-    cos, sin = angles.cos(), angles.sin()
-    return (torch.cat((cos, cos), dim=-1).to(dtype).unsqueeze(-2),
-            torch.cat((-sin, sin), dim=-1).to(dtype).unsqueeze(-2))
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rope_lookup(cos: Tensor, sin: Tensor, positions: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """`rope_cos_sin`'s tables from a `rope_table` (rows `positions` of it; None: all its rows)."""
+    if positions is not None:
+        cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
+    # Rounding to `dtype` before the cat and the sign flip gives the same numbers as after them.
+    return torch.cat((cos, cos), dim=-1).unsqueeze(-2), torch.cat((-sin, sin), dim=-1).unsqueeze(-2)
 
 
 class RopeTables(NamedTuple):

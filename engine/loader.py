@@ -172,13 +172,15 @@ def _materialise_encoder(cfg: EncoderConfig, state: dict[str, torch.Tensor], dev
     return model.eval()
 
 
-def _rebuild_buffers(model: DecoderModel, device: torch.device, freq_factors: torch.Tensor | None) -> None:
-    """Recompute the rope buffers that were built on the meta device (with GGUF's llama3 factors, if any)."""
+def _rebuild_buffers(model: DecoderModel, device: torch.device, dtype: torch.dtype, context: int,
+                     freq_factors: torch.Tensor | None) -> None:
+    """Recompute the rope buffers that were built on the meta device (with GGUF's llama3 factors, if any), the
+    tables for the `context` positions a sequence can reach, in the compute `dtype`."""
     from .layers import rope_inv_freq
 
     cfg = model.cfg
-    model.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim, freq_factors).to(device)
-    model.local_inv_freq = rope_inv_freq(cfg.local_rope, cfg.head_dim).to(device) if cfg.local_rope else None
+    local = rope_inv_freq(cfg.local_rope, cfg.head_dim).to(device) if cfg.local_rope else None
+    model.set_rope(rope_inv_freq(cfg.rope, cfg.head_dim, freq_factors).to(device), local, context, dtype)
 
 
 def _return_freed_memory() -> None:
@@ -321,7 +323,7 @@ def build_runner(options: LoadOptions, progress: Progress = no_progress, rank: R
     model = _materialise(cfg, state, device, dtype, quant, requantize_floats=path.is_dir(), source=str(path),
                         progress=progress, dense_prefill=_dense_prefill(options, dtype),
                         shard=shard)
-    _rebuild_buffers(model, device, freq_factors)
+    _rebuild_buffers(model, device, dtype, max_context or cfg.max_position, freq_factors)
     kv_heads = cfg.num_kv_heads if shard is None else shard.num_kv_heads
     tokens = kv_cache_tokens(cfg, dtype, device, max_context or cfg.max_position, options.kv_cache_memory, kv_heads)
     if rank is not None:

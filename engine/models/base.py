@@ -20,7 +20,7 @@ from ..batch import ForwardBatch
 from ..config import ModelConfig
 from ..kv_cache import PagedKVCache
 from ..fused_kernels import add_rms_norm
-from ..layers import CPU_PAGED_DECODE, DecoderStack, Linear, RMSNorm, RopeTables, rope_cos_sin, rope_inv_freq
+from ..layers import CPU_PAGED_DECODE, DecoderStack, Linear, RMSNorm, RopeTables, rope_inv_freq, rope_lookup, rope_table
 
 log = logging.getLogger("emberserve.engine")
 
@@ -35,9 +35,9 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(block_cls(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
-        local = rope_inv_freq(cfg.local_rope, cfg.head_dim) if cfg.local_rope else None
-        self.register_buffer("local_inv_freq", local, persistent=False)
+        self.set_rope(rope_inv_freq(cfg.rope, cfg.head_dim),
+                      rope_inv_freq(cfg.local_rope, cfg.head_dim) if cfg.local_rope else None,
+                      cfg.max_position, torch.float32)
         # On CPU the stack runs scripted, built on the first step; False keeps it eager everywhere.
         self.script = True
         self.__dict__["_stack"] = DecoderStack(self.layers)  # not submodules: they are the model's own layers
@@ -49,11 +49,27 @@ class DecoderModel(nn.Module):
             if isinstance(module, RMSNorm):
                 module.refresh()
 
-    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
-        cos, sin = rope_cos_sin(self.inv_freq, positions, dtype)
-        if self.local_inv_freq is None:
+    def set_rope(self, inv_freq: torch.Tensor, local_inv_freq: torch.Tensor | None, positions: int,
+                 dtype: torch.dtype) -> None:
+        """Build the rope tables of positions 0 .. `positions` - 1 in `dtype`, on `inv_freq`'s device.
+
+        Every step reads its positions' rows of the same tables: a token's rotation does not depend on when it
+        is computed. (Computed per step, torch's CPU cos gave a few entries one unit different in a process's
+        first call after other kernels had run: the first prompt's keys differed from a later run's.)"""
+        every = torch.arange(positions, device=inv_freq.device)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("local_inv_freq", local_inv_freq, persistent=False)
+        for prefix, inv in (("", inv_freq), ("local_", local_inv_freq)):
+            cos, sin = rope_table(inv, every, dtype) if inv is not None else (None, None)
+            self.register_buffer(f"{prefix}rope_cos", cos, persistent=False)
+            self.register_buffer(f"{prefix}rope_sin", sin, persistent=False)
+
+    def rope_tables(self, positions: torch.Tensor) -> RopeTables:
+        """The step's rotation tables, in the compute dtype (positions [N] below the range `set_rope` built)."""
+        cos, sin = rope_lookup(self.rope_cos, self.rope_sin, positions)
+        if self.local_rope_cos is None:
             return RopeTables(cos, sin, cos, sin)
-        return RopeTables(cos, sin, *rope_cos_sin(self.local_inv_freq, positions, dtype))
+        return RopeTables(cos, sin, *rope_lookup(self.local_rope_cos, self.local_rope_sin, positions))
 
     def stack(self, scripted: bool) -> nn.Module:
         """The module that runs the layers: scripted (built on first use) if asked and possible, else the eager one."""
@@ -69,7 +85,7 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(batch.ids)
         if self.cfg.embed_scale != 1.0:
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
-        rope = self.rope_tables(batch.positions, x.dtype)
+        rope = self.rope_tables(batch.positions)
         # Unoptimized execution: the same speed here, without the profiling executor's re-optimizing runs (0.6-0.9 s
         # each) on the first calls of a scripted stack; nothing for an eager one.
         with torch.jit.optimized_execution(False):

@@ -80,3 +80,14 @@ def test_sharded_safetensors_with_index(tiny_zoo, tmp_path: Path) -> None:
     next(sharded.glob("model-0000*.safetensors")).unlink()
     with pytest.raises(ModelFormatError, match="missing safetensors shards"):
         load_runner(sharded)
+
+
+def test_rope_tables_cover_the_runner_context_in_its_dtype(tiny_zoo) -> None:
+    """Every position a sequence can reach has its row, built on the model's device in the compute dtype; a prompt
+    that ends on the last position runs."""
+    tiny = tiny_zoo.model("qwen2")
+    runner = load_runner(tiny.safetensors_dir, max_context=64)
+    model = runner.model
+    assert model.rope_cos.shape == (64, model.cfg.head_dim // 2)
+    assert model.rope_cos.dtype == model.rope_sin.dtype == runner.dtype
+    assert runner.predict_logits(list(range(3, 3 + 64))).isfinite().all()
