@@ -57,14 +57,20 @@ def resolve_quant(quant: str | None, dtype: str | torch.dtype | None, device: to
 
     On CPU a quantized (GGUF) model keeps its weights compressed, int4 with bfloat16 activations, unless float32
     was asked for (the exact path); float checkpoints stay as they are unless a quant mode is asked for.
-    Accelerators compute in bfloat16 from dense weights (the packed kernels are CPU kernels).
+    Accelerators compute in bfloat16 from dense weights unless a quant mode is asked for (CUDA: int4 and int8
+    weights with bfloat16 activations, what a draft model of the target is, `--draft-model self-int4`).
     """
     if quant is not None and quant not in QUANT_MODES:
         raise ValueError(f"unsupported quant {quant!r}; use one of {', '.join(QUANT_MODES)}")
     if device.type != "cpu":
-        if quant not in (None, "none"):
-            raise ValueError(f"quant {quant!r} runs on CPU only; use quant 'none' on {device.type}")
-        return "none", resolve_dtype(dtype, device)
+        resolved = resolve_dtype(dtype, device)
+        if quant in (None, "none"):
+            return "none", resolved
+        if device.type != "cuda":
+            raise ValueError(f"quant {quant!r} runs on CPU and CUDA only; use quant 'none' on {device.type}")
+        if resolved != torch.bfloat16:
+            raise ValueError(f"quant {quant!r} on CUDA computes in bfloat16, not {resolved}")
+        return quant, resolved
     if quant is None:
         wanted = resolve_dtype(dtype, device) if dtype is not None else None
         quant = "int4" if quantized_source and wanted in (None, torch.bfloat16) else "none"
@@ -94,7 +100,7 @@ def _fuse_projections(state: dict[str, Any], cfg: ModelConfig) -> None:
 
 
 def _quantize_modules(model: DecoderModel, state: dict[str, Any], quant: str, dtype: torch.dtype,
-                      requantize_floats: bool, progress: Progress, dense_prefill: bool) -> None:
+                      requantize_floats: bool, progress: Progress, dense_prefill: bool, device: torch.device) -> None:
     """Swap every Linear for its quantized form (the embedding too), taking their weights out of `state`.
 
     `requantize_floats` False (a GGUF file): float weights there were stored with more than 4 bits, so in int4
@@ -108,7 +114,7 @@ def _quantize_modules(model: DecoderModel, state: dict[str, Any], quant: str, dt
         mode = quant if requantize_floats or isinstance(weight, Affine4Bit) else "int8"
         # The output projection sees one row per sequence even in prefill: a dense copy would never be used.
         keep_dense = dense_prefill and name != "lm_head"
-        model.set_submodule(name, quantized_linear(weight, bias, mode, dtype, keep_dense))
+        model.set_submodule(name, quantized_linear(weight, bias, mode, dtype, keep_dense, device))
     embedding = state.pop("embed_tokens.weight")
     head = model.lm_head
     if tied_embedding and isinstance(head, Int8Linear):  # one int8 table serves the lookup and the output matmul
@@ -117,7 +123,7 @@ def _quantize_modules(model: DecoderModel, state: dict[str, Any], quant: str, dt
         model.embed_tokens = Int8DotEmbedding(head, dtype)
     else:
         dense = embedding.dequantize() if isinstance(embedding, Affine4Bit) else embedding
-        model.embed_tokens = Int8Embedding(*quantize_int8(dense), dtype)
+        model.embed_tokens = Int8Embedding(*quantize_int8(dense), dtype).to(device)
 
 
 def _materialise(cfg: ModelConfig, state: dict[str, Any], device: torch.device, dtype: torch.dtype,
@@ -137,7 +143,7 @@ def _materialise(cfg: ModelConfig, state: dict[str, Any], device: torch.device, 
         shard_state(state, cfg, shard)
         resize_modules(model, cfg, shard)
     if quant != "none":
-        _quantize_modules(model, state, quant, dtype, requantize_floats, progress, dense_prefill)
+        _quantize_modules(model, state, quant, dtype, requantize_floats, progress, dense_prefill, device)
     converted: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
         if isinstance(tensor, Affine4Bit):
@@ -231,9 +237,12 @@ class LoadOptions:
 
 
 def _dense_prefill(options: LoadOptions, dtype: torch.dtype) -> bool:
-    """Whether packed layers keep their bfloat16 copy: as asked, else where it pays; never when deterministic."""
+    """Whether packed layers keep their bfloat16 copy: as asked, else where it pays (on CUDA only if asked: a
+    quantized model there is a draft, whose point is its memory); never when deterministic."""
     if options.deterministic:
         return False
+    if torch.device(options.device).type != "cpu":
+        return bool(options.dense_prefill)
     return dense_copies_pay(dtype) if options.dense_prefill is None else options.dense_prefill
 
 

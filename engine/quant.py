@@ -1,7 +1,7 @@
 """Weight-only quantization by module swap: int8 per-channel and int4 group-wise linears, an int8 embedding.
 
 The matmuls are torch's CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`), which are fast with
-bfloat16 activations. 4-bit GGUF blocks (Q4_0, Q4_1, Q4_K) map exactly onto the int4 format; other sources are
+bfloat16 activations; on CUDA int4 runs through engine/quant_cuda.py and int8 through `_weight_int8pack_mm`. 4-bit GGUF blocks (Q4_0, Q4_1, Q4_K) map exactly onto the int4 format; other sources are
 quantized round-to-nearest here. The linears are scripted with the rest of the decoder stack (engine/layers.py).
 """
 # No `from __future__ import annotations`: TorchScript reads the linears' annotations as types.
@@ -130,6 +130,14 @@ class Int8Linear(PackedLinear):
         return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale)
 
 
+def kernel_dense_weights(codes: Tensor, scale_and_zero: Tensor, out_features: int) -> Tensor:
+    """The dense weights [out, in] an int4 kernel computes with: from its own (rounded) scales and zeros
+    [in // GROUP_SIZE, rows, 2], so a dense copy and the packed kernel use the same weights."""
+    s, z = (scale_and_zero[..., i].t().float().unsqueeze(-1)[:out_features] for i in (0, 1))
+    groups = (codes.float() - 8).view(out_features, -1, GROUP_SIZE)
+    return (groups * s + z).view(codes.shape).to(scale_and_zero.dtype)
+
+
 class Int4Linear(PackedLinear):
     """y = x @ w^T + bias with w held as packed 4-bit codes and a scale and zero per group of GROUP_SIZE inputs."""
 
@@ -144,11 +152,7 @@ class Int4Linear(PackedLinear):
         self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
         self.register_buffer("scale_and_zero", torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous())
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
-        dense = None
-        if keep_dense:  # from the kernel's own (rounded) scales and zeros, so both paths use the same weights
-            s, z = (self.scale_and_zero[..., i].t().float().unsqueeze(-1) for i in (0, 1))
-            groups = (weight.codes.float() - 8).view(self.out_features, -1, GROUP_SIZE)
-            dense = (groups * s[:self.out_features] + z[:self.out_features]).view(weight.shape).to(dtype)
+        dense = kernel_dense_weights(weight.codes, self.scale_and_zero, self.out_features) if keep_dense else None
         self.register_buffer("dense", dense)
 
     def packed_matmul(self, x: Tensor) -> Tensor:
@@ -180,20 +184,26 @@ def dense_copy_bytes(model: nn.Module) -> int:
 
 
 def quantized_linear(weight: torch.Tensor | Affine4Bit, bias: torch.Tensor | None, mode: str,
-                     dtype: torch.dtype, keep_dense: bool = False) -> PackedLinear:
-    """The module replacing an nn.Linear in `mode` ("int8" or "int4"), with a dense copy for big calls if asked.
+                     dtype: torch.dtype, keep_dense: bool = False,
+                     device: torch.device = torch.device("cpu")) -> PackedLinear:
+    """The module replacing an nn.Linear in `mode` ("int8" or "int4"), with a dense copy for big calls if asked,
+    its buffers on `device`.
 
-    A bfloat16 model on a CPU with AVX-512 VNNI gets the integer-dot-product forms of engine/quant_dot.py.
-    int4 keeps 4-bit sources exact and quantizes float sources; a GGUF tensor stored with more bits (Q5, Q6_K,
-    Q8_0) is passed in dequantized with `mode` "int8" by the loader, so its precision is not thrown away.
+    A bfloat16 model on a CPU with AVX-512 VNNI gets the integer-dot-product forms of engine/quant_dot.py, one on
+    CUDA int4 through tinygemm (engine/quant_cuda.py). int4 keeps 4-bit sources exact and quantizes float
+    sources; a GGUF tensor stored with more bits (Q5, Q6_K, Q8_0) is passed in dequantized with `mode` "int8" by
+    the loader, so its precision is not thrown away.
     """
-    from . import quant_dot  # it builds on this module's formats
+    from . import quant_cuda, quant_dot  # they build on this module's formats
 
-    dot = quant_dot.dot_kernels_serve(dtype)
-    if mode == "int4" and int4_supported(weight.shape):
+    if device.type == "cuda" and mode == "int4" and int4_supported(weight.shape):
+        four_bit = weight if isinstance(weight, Affine4Bit) else quantize_4bit(weight)
+        return quant_cuda.Int4CudaLinear(four_bit, bias, dtype, keep_dense, device)
+    dot = device.type == "cpu" and quant_dot.dot_kernels_serve(dtype)
+    if mode == "int4" and int4_supported(weight.shape) and device.type == "cpu":
         four_bit = weight if isinstance(weight, Affine4Bit) else quantize_4bit(weight)
         return (quant_dot.Int4DotLinear if dot else Int4Linear)(four_bit, bias, dtype, keep_dense)
     dense = weight.dequantize() if isinstance(weight, Affine4Bit) else weight
     if dot and int4_supported(dense.shape):  # the kernel's blocks of 32 inputs, as int4's groups
         return quant_dot.Int8DotLinear(*quantize_int8(dense), bias, dtype, keep_dense)
-    return Int8Linear(*quantize_int8(dense), bias, dtype, keep_dense)
+    return Int8Linear(*quantize_int8(dense), bias, dtype, keep_dense).to(device)

@@ -50,7 +50,7 @@ class Settings(BaseSettings):
     dtype: Literal["float32", "bfloat16"] | None = Field(
         None, description="activations (default: bfloat16; float32 for unquantized checkpoints on CPU)")
     quant: Literal["none", "int8", "int4"] | None = Field(
-        None, description="weights kept as int8 per-channel or int4 group-wise (CPU); default: int4 for a GGUF "
+        None, description="weights kept as int8 per-channel or int4 group-wise (CPU; CUDA with bfloat16); default: int4 for a GGUF "
                           "model on CPU unless dtype is float32, else none")
     max_context: PositiveInt | None = Field(None, description="cap the context below the model's")
     served_model_name: str | None = Field(None, description="the model id clients send (default: the model's name)")
@@ -98,7 +98,7 @@ class Settings(BaseSettings):
     ngram_max: PositiveInt = Field(4, description="longest n-gram prompt lookup matches (tried first)")
     draft_model: str | None = Field(
         None, description="a draft model of the same vocabulary (a known name or a path; self-int4 or self-int8: "
-                          "the served model quantized, CPU), on the same device with its own KV cache")
+                          "the served model quantized, on CPU or CUDA), on the same device with its own KV cache")
     speculative_disable_by_batch_size: PositiveInt | None = Field(
         None, description="no speculation in steps of more decoding sequences than this (default: never off on "
                            "CPU; on a GPU 4, the verification rows a CUDA-graph step replays)")

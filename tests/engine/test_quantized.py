@@ -234,9 +234,12 @@ def test_default_formats_per_source(asked, dtype, source_quantized, expected) ->
 def test_bad_quant_requests_are_refused() -> None:
     with pytest.raises(ValueError, match="unsupported quant"):
         resolve_quant("int3", None, torch.device("cpu"), True)
-    with pytest.raises(ValueError, match="CPU only"):
-        resolve_quant("int4", None, torch.device("cuda"), True)
+    with pytest.raises(ValueError, match="CPU and CUDA only"):
+        resolve_quant("int4", None, torch.device("mps"), True)
+    with pytest.raises(ValueError, match="computes in bfloat16"):
+        resolve_quant("int4", "float32", torch.device("cuda"), True)
     assert resolve_quant(None, None, torch.device("cuda"), True) == ("none", torch.bfloat16)
+    assert resolve_quant("int4", None, torch.device("cuda"), False) == ("int4", torch.bfloat16)  # a GPU draft
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
