@@ -392,7 +392,7 @@ def run_shape(name: str, args: argparse.Namespace, device: torch.device, bandwid
         t1 = time.monotonic()
         try:
             runner = load_runner(str(model.path), device=device,
-                                 dtype=torch.bfloat16 if device.type == "cuda" else None,
+                                 dtype=torch.bfloat16 if device.type == "cuda" else None, quant=args.quant,
                                  kv_cache_memory=kv_memory(shape, args, 2 if device.type == "cuda" else 4))
         except Exception as e:  # noqa: BLE001
             log(f"{name}: engine failed to load: {type(e).__name__}: {e}")
@@ -400,6 +400,7 @@ def run_shape(name: str, args: argparse.Namespace, device: torch.device, bandwid
             runner = None
         if runner is not None:
             report["engine_load_s"] = round(time.monotonic() - t1, 1)
+            report["engine_quant"] = runner.quant
             log(f"{name}: engine loaded in {report['engine_load_s']}s ({runner.dtype}, "
                 f"{runner.blocks.num_blocks} KV blocks)")
             if device.type == "cuda" and not args.no_cuda_graphs:
@@ -534,6 +535,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--work-dir", type=Path, help="where the model directories go (default /dev/shm or the temp dir)")
     ap.add_argument("--keep-model-dir", action="store_true")
     ap.add_argument("--json-out", type=Path, help="write the JSON here (after every part)")
+    ap.add_argument("--quant", choices=["none", "int8", "int4"], default=None,
+                    help="engine parts: the weights' format (int4: what a self-int4 draft decodes with)")
     ap.add_argument("--no-cuda-graphs", action="store_true", help="engine parts without CUDA graphs (eager steps)")
     ap.add_argument("--client-processes", type=int, default=0,
                     help="load-generator processes for the server part (default: one per 16 streams)")

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from engine import Runner
-from engine.batch import StepRow
-from engine.block_manager import KVSequence
+from engine.batch import StepRow, TokenFeed
+from engine.block_manager import PENDING_TOKEN, KVSequence
 
 from .sampling import SequenceSampler, draw_from, sampling_probs
 from .speculative_sampling import Proposal
@@ -107,6 +107,8 @@ class DraftModel:
                 continue
             blocks.allocate(seq, len(tokens) + k - 1)
             active.append((key, seq, k))
+        if not samplers and self.runner.tensor_parallel is None:
+            return {key: Proposal(tokens) for key, tokens in self._greedy_chain(active).items()}
         drafts: dict[object, list[int]] = {key: [] for key, _, _ in active}
         probs: dict[object, list[torch.Tensor]] = {key: [] for key, _, _ in active if key in samplers}
         step = [StepRow(seq, seq.num_computed, len(seq.tokens)) for _, seq, _ in active]
@@ -134,3 +136,32 @@ class DraftModel:
             step = [StepRow(seq, len(seq.tokens) - 1, len(seq.tokens)) for _, seq, _ in active]
         return {key: Proposal(tokens, torch.stack(probs[key]) if key in probs else None)
                 for key, tokens in drafts.items()}
+
+    def _greedy_chain(self, active: list[tuple[object, KVSequence, int]]) -> dict[object, list[int]]:
+        """Every row's k argmax drafts, each pass reading the previous pass's picks on the device (a TokenFeed, the
+        sequences holding PENDING_TOKEN in their place): the passes run back to back and the host takes all the
+        tokens once, rather than waiting on the device after each."""
+        runner = self.runner
+        rows = [StepRow(seq, seq.num_computed, len(seq.tokens)) for _, seq, _ in active]
+        picks = [runner.step(rows).argmax(-1)]
+        passes = [active]
+        while True:
+            going = [(i, row) for i, row in enumerate(passes[-1]) if row[2] > len(passes)]
+            if not going:
+                break
+            for _, (_, seq, _) in going:
+                seq.tokens.append(PENDING_TOKEN)  # the previous pass's pick, read on the device
+            feed = TokenFeed(picks[-1], [i for i, _ in going])
+            passes.append([row for _, row in going])
+            picks.append(runner.step([StepRow(seq, len(seq.tokens) - 1, len(seq.tokens))
+                                      for _, seq, _ in passes[-1]], feed).argmax(-1))
+        flat = iter(torch.cat(picks).tolist())  # the one wait for the device
+        drafts: dict[object, list[int]] = {key: [] for key, _, _ in active}
+        for rows_of_pass in passes:
+            for key, _, _ in rows_of_pass:
+                drafts[key].append(next(flat))
+        for key, seq, k in active:
+            if k > 1:  # the placeholders stand for all but the last draft
+                seq.tokens[len(seq.tokens) - (k - 1):] = drafts[key][:k - 1]
+                runner.blocks.commit(seq)  # blocks that held a placeholder enter the prefix cache now
+        return drafts

@@ -150,6 +150,29 @@ def test_a_draft_model_keeps_greedy_outputs_under_preemption(tiny, draft_variant
     assert draft.blocks.num_used == 0
 
 
+def test_greedy_drafts_chained_on_the_device_are_the_drafts_argmax_continuations(tiny) -> None:
+    """Rows of different k in one call (their passes reading the previous picks on the device) draft exactly what
+    the draft model decodes greedily from each row's tokens; a second call after some tokens were accepted
+    continues from the cache, and the prefix cache holds only real tokens (the placeholders were filled in)."""
+    draft = load_runner(tiny("qwen3"), dtype="float32")
+    bs = draft.blocks.block_size
+    rows = [(object(), list(range(3, 3 + bs - 2)), 5), (object(), list(range(7, 7 + 2 * bs)), 3),
+            (object(), list(range(9, 20)), 1)]
+    model = DraftModel(draft)
+    got = model.propose([(key, tokens, k, GREEDY) for key, tokens, k in rows])
+    for key, tokens, k in rows:
+        assert got[key].tokens == draft.generate(tokens, k), k
+        assert got[key].probs is None
+    later = [(key, tokens + got[key].tokens[:2] + [5], 4) for key, tokens, _ in rows]
+    again = model.propose([(key, tokens, k, GREEDY) for key, tokens, k in later])
+    for key, tokens, k in later:
+        assert again[key].tokens == draft.generate(tokens, k)
+    assert _cached_blocks_hold_real_tokens(draft, [t + again[key].tokens for key, t, _ in later])
+    model.retain(())
+    draft.reset_session()  # generate's own sequence
+    assert draft.blocks.num_used == 0
+
+
 def test_stops_max_tokens_and_logprobs_inside_accepted_tokens(tiny) -> None:
     runner = load_runner(tiny("llama_tied"), dtype="float32")
     base = {"prompt_ids": PROMPTS[2], "params": SamplingParams(temperature=0, logprobs=True, top_logprobs=2)}
