@@ -107,6 +107,8 @@ class DraftModel:
                 continue
             blocks.allocate(seq, len(tokens) + k - 1)
             active.append((key, seq, k))
+        if not active:  # every row paused or refused (or an exploring step): no pass to run
+            return {}
         if not samplers and self.runner.tensor_parallel is None:
             return {key: Proposal(tokens) for key, tokens in self._greedy_chain(active).items()}
         drafts: dict[object, list[int]] = {key: [] for key, _, _ in active}

@@ -124,6 +124,8 @@ class Speculator:
             k = min(state.draft_length(cfg.num_tokens), most)
             if k > 0:
                 wanted.append((key, tokens, k, sampler))
+        if not wanted:
+            return {}
         if self.draft is not None:
             try:
                 proposals = self.draft.propose(wanted)

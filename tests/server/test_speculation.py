@@ -232,6 +232,26 @@ def test_a_draft_model_samples_its_drafts_as_the_row_samples(tiny) -> None:
     assert draft.blocks.num_used == 0
 
 
+
+def test_a_step_where_no_row_drafts_keeps_the_drafts_cache(tiny, caplog: pytest.LogCaptureFixture) -> None:
+    """A step in which every row sits out (paused, or a step that measures the plain cost) runs no draft pass: the
+    draft does not fail, and its sequences stay, so the row's next draft continues from its cache."""
+    draft = load_runner(tiny("qwen3"), dtype="float32")
+    spec, key = Speculator(SpeculativeConfig("draft", 4, measure=False), DraftModel(draft)), object()
+    rows = [(key, PROMPTS[0], 4, GREEDY)]
+    assert len(spec.propose(rows)[key].tokens) == 4
+    used = draft.blocks.num_used
+    assert used > 0
+    assert spec.draft.propose([]) == {}
+    for _ in range(4):  # rate 1 -> 0.7 -> 0.49 -> 0.34 -> 0.24: below PAUSE_BELOW, the row pauses
+        spec.record(key, 4, 0)
+    with caplog.at_level("DEBUG", logger="emberserve"):
+        assert spec.propose(rows) == {}
+    assert not [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
+    assert draft.blocks.num_used == used
+    spec.retain(())
+    assert draft.blocks.num_used == 0
+
 def test_the_rate_shortens_drafts_then_pauses_a_row_that_keeps_failing() -> None:
     """Each rejected step lowers the moving rate by RATE_WEIGHT; drafts are ceil(K x rate) long, and below
     PAUSE_BELOW the row sits out FIRST_PAUSE steps, then probes again at PROBE_RATE."""
@@ -333,3 +353,4 @@ def test_grammar_constrained_rows_speculate_under_their_masks(tiny) -> None:
             assert c.finish == "stop" and re.fullmatch(regex, c.text), c.text
     assert spec.stats.num_drafts > 0
     assert runner.blocks.num_used == 0
+
