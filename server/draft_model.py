@@ -57,6 +57,7 @@ class DraftModel:
     def __init__(self, runner: Runner) -> None:
         self.runner = runner
         self._rows: dict[object, _Mirror] = {}
+        self.last_catch_up = 0  # the most tokens a row's first pass of the last `propose` computed
 
     def retain(self, keys: Collection[object]) -> None:
         """Free the draft sequences of rows not in `keys` (finished, preempted or failed)."""
@@ -91,6 +92,7 @@ class DraftModel:
         """Up to k draft tokens for each (key, tokens, k, sampler) row; a row the draft's cache cannot hold now gets
         none."""
         blocks, active = self.runner.blocks, []
+        self.last_catch_up = 0
         samplers = {key: sampler for key, _, _, sampler in rows if not sampler.params.is_greedy()}
         for key, tokens, k, _ in rows:
             k = min(k, self.runner.context_size - len(tokens) + 1)
@@ -107,6 +109,7 @@ class DraftModel:
                 continue
             blocks.allocate(seq, len(tokens) + k - 1)
             active.append((key, seq, k))
+            self.last_catch_up = max(self.last_catch_up, len(seq.tokens) - seq.num_computed)
         if not active:  # every row paused or refused (or an exploring step): no pass to run
             return {}
         if not samplers and self.runner.tensor_parallel is None:

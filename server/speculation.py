@@ -88,6 +88,7 @@ class Speculator:
         self._rows: dict[object, _RowState] = {}
         self.stats = SpeculationStats(accepted_per_position=[0] * config.num_tokens)
         self.cost = StepCost() if config.measure else None
+        self._steady = True  # whether the last step's timing measures the cost (see observe_step)
 
     def retain(self, keys: Collection[object]) -> None:
         """Forget the rows not in `keys` (they finished, failed or were preempted)."""
@@ -108,22 +109,27 @@ class Speculator:
         # and a seed must repeat its output, not depend on the timing of the steps.
         explore = self.cost is not None and self.cost.explore(len(rows))
         measured = self.cost.break_even(len(rows)) if self.cost is not None else None
+        # Where even certain acceptance would not pay, timed rows draft only in the bucket's probing steps (all of
+        # them, paused or not), which keep the cost measured.
+        futile = measured is not None and measured >= 1
+        probe = futile and self.cost.probing(len(rows))
         wanted: list[tuple[object, Sequence[int], int, SequenceSampler]] = []
         for key, tokens, most, sampler in rows:
             timed = sampler.params.seed is None or sampler.params.is_greedy()
-            if explore and timed:
+            if timed and (explore or futile and not probe):
                 continue
             state = self._rows.get(key)
             if state is None:
                 index = NgramIndex(cfg.ngram_min, cfg.ngram_max) if cfg.method == "ngram" else None
                 state = self._rows[key] = _RowState(index)
-            if state.pause > 0:
+            if state.pause > 0 and not (probe and timed):
                 state.pause -= 1
                 continue
             state.pause_below = max(MIN_PAUSE_BELOW, measured) if timed and measured is not None else PAUSE_BELOW
             k = min(state.draft_length(cfg.num_tokens), most)
             if k > 0:
                 wanted.append((key, tokens, k, sampler))
+        self._steady = True
         if not wanted:
             return {}
         if self.draft is not None:
@@ -133,14 +139,16 @@ class Speculator:
                 log.exception("the draft model failed; this step does not speculate")
                 self.draft.retain(())
                 return {}
+            # A draft that prefilled a prompt or caught up after a pause paid a one-off cost, not a draft's.
+            self._steady = self.draft.last_catch_up <= cfg.num_tokens + 1
         else:
             proposals = {key: Proposal(self._rows[key].index.propose(tokens, k)) for key, tokens, k, _ in wanted}
         return {key: p for key, p in proposals.items() if p.tokens}
 
     def observe_step(self, rows: int, drafted: int, seconds: float) -> None:
         """A decode-only step: `rows` sequences, the tokens they drafted, and how long it took (from proposing to
-        handing the tokens on)."""
-        if self.cost is not None:
+        handing the tokens on); a step whose draft model caught a row up says nothing about the cost."""
+        if self.cost is not None and self._steady:
             self.cost.observe(rows, drafted, seconds)
 
     def record(self, key: object, drafted: int, accepted: int) -> None:

@@ -22,7 +22,7 @@ from server.sampling import SamplingParams, SequenceSampler
 from server.scheduler import Scheduler
 from server.settings import Settings
 from server.speculation import FIRST_PAUSE, PAUSE_BELOW, PROBE_RATE, RATE_WEIGHT, SpeculativeConfig, Speculator
-from server.speculation_cost import EXPLORE_EVERY, StepCost
+from server.speculation_cost import EXPLORE_EVERY, PROBE_EVERY, StepCost
 
 # Copy-heavy prompts: a phrase repeated, so prompt lookup has matches from the first step.
 PROMPTS = [[5 + i, 40 + 3 * i, 77, 12 + i, 90, 31 + i] * 4 + [5 + i, 40 + 3 * i] for i in range(4)]
@@ -329,6 +329,40 @@ def test_rows_pause_below_the_measured_break_even_rate() -> None:
             spec.record(row, len(proposal.tokens), len(proposal.tokens) // 2)
         assert (spec.propose(rows) == {}) == paused
 
+
+
+def test_where_no_acceptance_pays_rows_draft_only_in_the_probing_steps() -> None:
+    """A drafted token costing more than a decoded one makes (break-even 1.2): a row accepting every draft still
+    drafts only in two steps of each PROBE_EVERY, paused or not, and decodes plainly in the rest."""
+    spec, row = ngram(4), object()
+    spec.observe_step(1, 0, 0.1)
+    spec.observe_step(1, 4, 0.1 + 4 * 0.12)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8] * 6
+    drafted = []
+    for step in range(1, 2 * PROBE_EVERY + 1):
+        proposal = spec.propose([(row, tokens, 16, GREEDY)]).get(row)
+        if proposal is not None:
+            drafted.append(step)
+            spec.record(row, len(proposal.tokens), len(proposal.tokens))  # all accepted: the row pauses anyway
+    assert drafted == [1, 2, PROBE_EVERY + 1, PROBE_EVERY + 2]
+
+
+def test_a_draft_catching_a_row_up_does_not_count_as_the_cost_of_drafting(tiny) -> None:
+    """The step in which the draft model prefills a row's prompt says nothing about what a draft costs; the next
+    one, continuing from the draft's cache, does."""
+    draft = load_runner(tiny("qwen3"), dtype="float32")
+    spec, key = Speculator(SpeculativeConfig("draft", 4), DraftModel(draft)), object()
+    spec.observe_step(1, 0, 0.1)
+    tokens = list(PROMPTS[0])
+    first = spec.propose([(key, tokens, 4, GREEDY)])[key].tokens
+    spec.observe_step(1, len(first), 10.0)  # the prompt's prefill in the draft: not a draft's cost
+    assert spec.cost.break_even(1) is None
+    tokens += first + [3]
+    spec.propose([(key, tokens, 4, GREEDY)])
+    spec.observe_step(1, 4, 0.14)
+    assert spec.cost.break_even(1) == pytest.approx(0.1)
+    spec.retain(())
+    assert draft.blocks.num_used == 0
 
 def test_grammar_constrained_rows_speculate_under_their_masks(tiny) -> None:
     """Each drafted position is verified under the grammar's mask there (a refused draft is rejected) and the
