@@ -311,18 +311,21 @@ class Runner:
         return time.perf_counter() - started
 
     def _warm_up_kernels(self) -> None:
-        """Steps of every kind the eager path runs (a fresh chunk, a chunk over cached blocks beside a decode row),
-        so that their kernels are compiled now rather than while serving."""
+        """Steps of every kind the eager path runs (fresh chunks, chunks over cached blocks beside a decode row),
+        so that their kernels are compiled now rather than while serving: with 2 rows and with 4, since Triton
+        compiles a kernel again for per-row arguments (slices of one [3, rows] tensor) 16-byte aligned or not."""
         bs = self.blocks.block_size
-        seq = self.new_sequence([0] * (2 * bs + 3), use_prefix_cache=False)
+        seqs = [self.new_sequence([0] * (2 * bs + 3), use_prefix_cache=False) for _ in range(5)]
         other = self.new_sequence([0] * (bs + 1), use_prefix_cache=False)
         try:
-            self.step([StepRow(seq, 0, bs + 1), StepRow(other, 0, bs + 1)])
+            self.step([StepRow(seqs[0], 0, bs + 1), StepRow(other, 0, bs + 1)])
             other.tokens.append(0)
-            self.step([StepRow(other, bs + 1, bs + 2), StepRow(seq, bs + 1, 2 * bs + 3)])
+            self.step([StepRow(other, bs + 1, bs + 2), StepRow(seqs[0], bs + 1, 2 * bs + 3)])
+            self.step([StepRow(seq, 0, bs + 1) for seq in seqs[1:]])
+            self.step([StepRow(seq, bs + 1, 2 * bs + 3) for seq in seqs[1:]])
         finally:
-            self.free_sequence(seq)
-            self.free_sequence(other)
+            for seq in [*seqs, other]:
+                self.free_sequence(seq)
             self.blocks.reset_prefix_cache()
 
     # ---- one session ----

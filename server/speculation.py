@@ -88,7 +88,8 @@ class Speculator:
         self._rows: dict[object, _RowState] = {}
         self.stats = SpeculationStats(accepted_per_position=[0] * config.num_tokens)
         self.cost = StepCost() if config.measure else None
-        self._steady = True  # whether the last step's timing measures the cost (see observe_step)
+        self._timed = True  # whether the last step's timing measures the cost (see observe_step)
+        self._drafted = False  # whether the last step drafted
 
     def retain(self, keys: Collection[object]) -> None:
         """Forget the rows not in `keys` (they finished, failed or were preempted)."""
@@ -102,6 +103,16 @@ class Speculator:
         """Draft tokens for the (key, tokens, at most, sampler) rows that speculate this step: `tokens` is the row's
         whole sequence so far, `at most` how many it may draft (its remaining max_tokens and context), `sampler`
         its sampling (a draft model samples its drafts the same way)."""
+        self._timed = True
+        proposals = self._propose(rows)
+        if not proposals and self._drafted:
+            # Verifying drafts waits for the device, so the plain step after one runs with no step of its own
+            # overlapping it: slower than plain decoding runs, which is what drafting is weighed against.
+            self._timed = False
+        self._drafted = bool(proposals)
+        return proposals
+
+    def _propose(self, rows: Sequence[tuple[object, Sequence[int], int, SequenceSampler]]) -> dict[object, Proposal]:
         cfg = self.config
         if not rows or cfg.disable_by_batch_size is not None and len(rows) > cfg.disable_by_batch_size:
             return {}
@@ -129,7 +140,6 @@ class Speculator:
             k = min(state.draft_length(cfg.num_tokens), most)
             if k > 0:
                 wanted.append((key, tokens, k, sampler))
-        self._steady = True
         if not wanted:
             return {}
         if self.draft is not None:
@@ -140,15 +150,16 @@ class Speculator:
                 self.draft.retain(())
                 return {}
             # A draft that prefilled a prompt or caught up after a pause paid a one-off cost, not a draft's.
-            self._steady = self.draft.last_catch_up <= cfg.num_tokens + 1
+            self._timed = self.draft.last_catch_up <= cfg.num_tokens + 1
         else:
             proposals = {key: Proposal(self._rows[key].index.propose(tokens, k)) for key, tokens, k, _ in wanted}
         return {key: p for key, p in proposals.items() if p.tokens}
 
     def observe_step(self, rows: int, drafted: int, seconds: float) -> None:
         """A decode-only step: `rows` sequences, the tokens they drafted, and how long it took (from proposing to
-        handing the tokens on); a step whose draft model caught a row up says nothing about the cost."""
-        if self.cost is not None and self._steady:
+        handing the tokens on); a step whose draft model caught a row up, or a plain one right after drafting, says
+        nothing about the cost."""
+        if self.cost is not None and self._timed:
             self.cost.observe(rows, drafted, seconds)
 
     def record(self, key: object, drafted: int, accepted: int) -> None:

@@ -8,14 +8,16 @@ dominated by reading the weights (one stream; a GPU) c is small and a modest acc
 CPU a drafted token costs about what a decoded one does (c ~ t0 / R) and only near-certain drafts pay.
 
 t0 and c are moving averages per batch-size bucket (1, 2, 3-4, 5-8, ...) of the steps as the scheduler times them
-(from proposing to handing the tokens on, so a draft model's own passes count in c). One step in `EXPLORE_EVERY`
-of a bucket runs without drafts, so that t0 stays measured even where every row always drafts. Where c ≥ t0 / R
+(from proposing to handing the tokens on, so a draft model's own passes count in c). Two steps in `EXPLORE_EVERY`
+of a bucket run without drafts, so that t0 stays measured even where every row always drafts: the second one
+measures it (the Speculator does not time the first, which refills the pipeline of overlapped steps that a
+verification emptied). Where c ≥ t0 / R
 no acceptance pays (a draft model nearly as slow as the target: an int4 copy on a GPU, whose decode step is
 launch-bound); such a bucket drafts only in `probing` steps, two in `PROBE_EVERY`, which keep c measured.
 """
 from __future__ import annotations
 
-EXPLORE_EVERY = 32
+EXPLORE_EVERY = 64
 PROBE_EVERY = 128  # steps of a bucket where nothing pays; in two of them rows draft (the first catches a draft up)
 WEIGHT = 0.2  # of the latest step in the moving averages
 
@@ -37,10 +39,10 @@ class StepCost:
         self._steps: dict[int, int] = {}
 
     def explore(self, rows: int) -> bool:
-        """Whether this step of `rows` decoding rows should run without drafts, to measure t0."""
+        """Whether this step of `rows` decoding rows should run without drafts, to measure t0 (two steps in a row)."""
         bucket = _bucket(rows)
         self._steps[bucket] = self._steps.get(bucket, 0) + 1
-        return self._steps[bucket] % EXPLORE_EVERY == 0
+        return self._steps[bucket] % EXPLORE_EVERY in (EXPLORE_EVERY - 1, 0)
 
     def probing(self, rows: int) -> bool:
         """Whether this step (after `explore` counted it) is one of a bucket's two probes in PROBE_EVERY."""

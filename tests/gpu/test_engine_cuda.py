@@ -203,3 +203,37 @@ def test_fed_tokens_equal_host_tokens(tinies, graphs) -> None:
             runner.free_sequence(s)
     for step, (host_fed, device_fed) in enumerate(zip(*results)):
         assert torch.equal(host_fed, device_fed), (graphs, step)
+
+
+def _compiled_kernels() -> int:
+    """How many specializations of the engine's Triton kernels this process has compiled."""
+    import triton
+
+    from engine import fused_kernels_triton, paged_attention_triton
+    kernels = [k for m in (fused_kernels_triton, paged_attention_triton) for k in vars(m).values()
+               if isinstance(k, triton.runtime.jit.JITFunction)]
+    if not kernels or not all(hasattr(k, "device_caches") for k in kernels):
+        pytest.skip("this Triton keeps its compiled kernels elsewhere")
+    return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
+
+
+@pytest.mark.parametrize("variant", ["llama_tied", "gemma3"])
+def test_serving_after_capture_compiles_no_kernel(tinies, variant) -> None:
+    """Start-up warms every kind of eager step: afterwards steps of 1-8 prompt rows (fresh, then chunks over their
+    cached blocks; more tokens than the chunk graphs take) and decode steps compile nothing new while serving."""
+    tiny = tinies[variant]
+    runner = load_runner(str(tiny.safetensors_dir), device="cuda")
+    runner.capture_cuda_graphs(8, chunk_tokens=256)
+    before = _compiled_kernels()
+    ids = torch.Generator().manual_seed(0)
+    for rows in (1, 2, 3, 4, 5, 8):
+        length = min(200, 280 // rows + 1)
+        seqs = [runner.new_sequence(torch.randint(3, runner.vocab_size, (length,), generator=ids).tolist(),
+                                    use_prefix_cache=False) for _ in range(rows)]
+        runner.step([StepRow(s, 0, length) for s in seqs])
+        for seq in seqs:
+            seq.tokens += torch.randint(3, runner.vocab_size, (length,), generator=ids).tolist()
+        _decode(runner, seqs, 2)
+        for seq in seqs:
+            runner.free_sequence(seq)
+    assert _compiled_kernels() == before

@@ -309,7 +309,8 @@ def test_the_break_even_rate_is_what_a_draft_costs_against_what_a_decoded_token_
     cost.observe(8, drafted=32, seconds=0.52)  # the same 10 ms, but 25 ms per decoded token: 0.4
     assert cost.break_even(8) == pytest.approx(0.4)
     decisions = [cost.explore(3) for _ in range(2 * EXPLORE_EVERY)]
-    assert decisions.count(True) == 2 and decisions[EXPLORE_EVERY - 1]
+    assert [i + 1 for i, d in enumerate(decisions) if d] == [EXPLORE_EVERY - 1, EXPLORE_EVERY, 2 * EXPLORE_EVERY - 1,
+                                                            2 * EXPLORE_EVERY]
 
 
 def test_rows_pause_below_the_measured_break_even_rate() -> None:
@@ -346,6 +347,22 @@ def test_where_no_acceptance_pays_rows_draft_only_in_the_probing_steps() -> None
             spec.record(row, len(proposal.tokens), len(proposal.tokens))  # all accepted: the row pauses anyway
     assert drafted == [1, 2, PROBE_EVERY + 1, PROBE_EVERY + 2]
 
+
+
+def test_the_plain_step_right_after_drafting_is_not_timed() -> None:
+    """A verification waits for the device, so the plain step after it runs without an overlapping step: its time
+    is not what plain decoding costs. The next plain step's is."""
+    spec, row = ngram(4), object()
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8] * 6
+    assert spec.propose([(row, tokens, 16, GREEDY)])
+    for _ in range(4):  # the row pauses
+        spec.record(row, 4, 0)
+    assert spec.propose([(row, tokens, 16, GREEDY)]) == {}
+    spec.observe_step(1, 0, 5.0)  # not timed
+    assert spec.propose([(row, tokens, 16, GREEDY)]) == {}
+    spec.observe_step(1, 0, 0.1)
+    spec.observe_step(1, 4, 0.14)
+    assert spec.cost.break_even(1) == pytest.approx(0.1)
 
 def test_a_draft_catching_a_row_up_does_not_count_as_the_cost_of_drafting(tiny) -> None:
     """The step in which the draft model prefills a row's prompt says nothing about what a draft costs; the next
