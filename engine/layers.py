@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from .batch import ForwardBatch
 from .config import ModelConfig, RopeConfig
+from . import gemv
 from .fused_kernels import CPU_KERNELS, gated_activation, rms_norm, rope_and_write_kv
 from .kv_cache import gather_blocks, window_span
 
@@ -88,12 +89,15 @@ class Linear(nn.Linear):
     """A dense linear layer called like the packed ones (quant.PackedLinear): x [M, in] and the step's routing.
 
     Deterministic steps on CPU take fixed-shape calls (tiled_matmul): a one-row call would take a matrix-vector
-    kernel, and calls of different row counts sum in different orders.
+    kernel, and calls of different row counts sum in different orders. One-row calls on a GPU take engine/gemv.py.
     """
 
     def forward(self, x: Tensor, packed_rows: int = 0, deterministic: bool = False) -> Tensor:
         if deterministic and x.is_cpu:
             return tiled_matmul(x, self.weight, self.bias)
+        if not torch.jit.is_scripting():
+            if gemv.serves(x, self.weight):
+                return gemv.gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
