@@ -4,7 +4,8 @@ A batch-1 decode step reads every weight once for a single row, so it is bound b
 kernels for one row reach a fraction of it on the small projections of a 1B model (q/k/v, o, down), and each
 projection runs 16 times a step. `gemv_kernel` spreads the output features over many programs, each walking the
 whole input dimension in wide tiles (figures against torch's linear: bench/RESULTS.md, issue 13). From two rows
-on cuBLAS's matmul is as fast or faster, so only one-row calls take this path.
+on cuBLAS's matmul is as fast or faster, so only one-row calls take this path, and only where the input dimension
+is a multiple of 1,024 (the tiles measured faster).
 
 `Linear` (engine/layers.py) calls `serves` and `gemv`; `EMBERSERVE_GEMV=0` keeps every call on torch's linear.
 The kernel sums in float32 and rounds once, as cuBLAS does, in another order (an ulp of bfloat16 here and there).
@@ -26,6 +27,7 @@ except ModuleNotFoundError as e:  # no triton in this environment: torch's linea
 
 _ENABLED = os.environ.get("EMBERSERVE_GEMV", "1") != "0"
 _DTYPES = (torch.bfloat16, torch.float16)
+MIN_TILE = 1024  # the narrowest input tile `serves` sends here
 WIDE_OUTPUT = 16384  # from here on (gate/up, the LM head) 8 warps a program read faster than 4
 
 
@@ -40,9 +42,12 @@ def gemv_config(out_features: int, in_features: int) -> Tuple[int, int, int]:
 
 
 def serves(x: Tensor, weight: Tensor) -> bool:
-    """Whether `gemv` takes x [1, in] @ weight^T: one row, a 16-bit CUDA weight with unit column stride."""
+    """Whether `gemv` takes x [1, in] @ weight^T: one row, a 16-bit CUDA weight with unit column stride, and an
+    input dimension that 1,024-wide tiles divide. Narrower tiles were slower than cuBLAS where they were measured
+    (gemma3-1b's 1,152 and 6,912 inputs: bench/RESULTS.md), so those layers keep torch's linear."""
     return (_kernels is not None and _ENABLED and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
-            and weight.dtype in _DTYPES and x.dtype == weight.dtype and weight.stride(-1) == 1)
+            and weight.shape[1] % MIN_TILE == 0 and weight.dtype in _DTYPES and x.dtype == weight.dtype
+            and weight.stride(-1) == 1)
 
 
 @torch.jit.ignore

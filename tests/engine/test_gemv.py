@@ -97,15 +97,17 @@ def test_kernel_refuses_more_rows_and_a_mismatched_bias(interpreted):
     assert all(interpreted[1]), interpreted[1]
 
 
-def test_only_one_row_cuda_calls_of_16_bit_weights_take_the_kernel():
-    w = torch.zeros(8, 16, dtype=torch.bfloat16)
-    assert not gemv.serves(torch.zeros(1, 16, dtype=torch.bfloat16), w)  # CPU tensors: torch's linear
+def test_only_one_row_cuda_calls_of_16_bit_weights_in_wide_tiles_take_the_kernel():
+    w = torch.zeros(8, 1024, dtype=torch.bfloat16)
+    assert not gemv.serves(torch.zeros(1, 1024, dtype=torch.bfloat16), w)  # CPU tensors: torch's linear
     if torch.cuda.is_available():
-        wc = w.cuda()
-        assert gemv.serves(torch.zeros(1, 16, dtype=torch.bfloat16, device="cuda"), wc) == (gemv._kernels is not None)
-        assert not gemv.serves(torch.zeros(2, 16, dtype=torch.bfloat16, device="cuda"), wc)
-        assert not gemv.serves(torch.zeros(1, 16, device="cuda"), wc.float())
+        wc, x = w.cuda(), torch.zeros(1, 1024, dtype=torch.bfloat16, device="cuda")
+        assert gemv.serves(x, wc) == (gemv._kernels is not None)
+        assert not gemv.serves(torch.zeros(2, 1024, dtype=torch.bfloat16, device="cuda"), wc)
+        assert not gemv.serves(x.float(), wc.float())
         assert not gemv.serves(torch.zeros(1, 8, dtype=torch.bfloat16, device="cuda"), wc.t())
+        narrow = torch.zeros(8, 1152, dtype=torch.bfloat16, device="cuda")  # gemma3's hidden size
+        assert not gemv.serves(torch.zeros(1, 1152, dtype=torch.bfloat16, device="cuda"), narrow)
 
 
 def test_a_one_row_cpu_linear_is_torchs():
