@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import gemv
 from .batch import ForwardBatch
 from .config import ModelConfig, RopeConfig
-from . import gemv
 from .fused_kernels import CPU_KERNELS, gated_activation, rms_norm, rope_and_write_kv
 from .kv_cache import gather_blocks, window_span
 

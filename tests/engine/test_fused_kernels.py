@@ -3,24 +3,17 @@ of the models we serve (tests/fused_kernel_cases.py); the torch path against the
 public calls under TorchScript (the CPU stack is scripted).
 
 TRITON_INTERPRET=1 has to be set before the kernels are defined and must not leak into other tests, so the
-interpreted calls run in one subprocess: the problems are built here, the subprocess only calls the kernels on them,
-and everything is compared here.
+interpreted calls run in one subprocess (tests/engine/interpreted.py): the problems are built here, the
+subprocess only calls the kernels on them, and everything is compared here.
 """
 from __future__ import annotations
-
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from engine import fused_kernels, fused_kernels_torch, layers
 from fused_kernel_cases import EPS, VARIANTS, Case, build, check, copied, expected, model_cases
-
-ROOT = Path(__file__).resolve().parents[2]
+from interpreted import run_interpreted
 
 # Every model's calls at 1, 3 and 8 rows; 128 rows at the smallest shapes (the interpreter runs programs one by
 # one: the GPU test takes every model at 128); then the variants.
@@ -83,16 +76,9 @@ torch.save((results, refusals), sys.argv[2])
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory) -> tuple[list, list]:
     """([(output, arguments after the call)] of every case, [the message of each refused call or None])."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed: the kernels cannot be interpreted")
-    tmp = tmp_path_factory.mktemp("fused_kernels")
     calls = [(case.call, build(case)) for case in INTERPRETED]
-    torch.save((calls, [(name, args) for _, name, args in _bad_calls()]), tmp / "calls.pt")
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETED_CALLS, str(tmp / "calls.pt"), str(tmp / "out.pt")],
-                          cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, f"interpreted kernels failed:\n{proc.stderr[-4000:]}"
-    return torch.load(tmp / "out.pt")
+    return run_interpreted(_INTERPRETED_CALLS, (calls, [(name, args) for _, name, args in _bad_calls()]),
+                           tmp_path_factory.mktemp("fused_kernels"))
 
 
 @pytest.mark.parametrize("index", range(len(INTERPRETED)), ids=[c.name for c in INTERPRETED])

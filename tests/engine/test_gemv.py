@@ -2,22 +2,15 @@
 at tile-aligned and ragged shapes, with and without a bias; what it refuses; which calls take it.
 
 TRITON_INTERPRET=1 has to be set before the kernel is defined and must not leak into other tests, so the
-interpreted calls run in one subprocess (as in test_fused_kernels.py). On a GPU: tests/gpu/test_gemv_cuda.py.
+interpreted calls run in one subprocess (tests/engine/interpreted.py). On a GPU: tests/gpu/test_gemv_cuda.py.
 """
 from __future__ import annotations
-
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from engine import gemv, layers
-
-ROOT = Path(__file__).resolve().parents[2]
+from interpreted import run_interpreted
 
 # (in, out, bias, dtype): every tile choice of gemv_config, inputs that no tile divides (masked loads), outputs
 # past the last full program (masked stores).
@@ -59,15 +52,7 @@ torch.save((results, refusals), sys.argv[2])
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory) -> tuple[list[torch.Tensor], list[str | None]]:
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed: the kernel cannot be interpreted")
-    tmp = tmp_path_factory.mktemp("gemv")
-    torch.save([_problem(i) for i in range(len(CASES))], tmp / "calls.pt")
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETED_CALLS, str(tmp / "calls.pt"), str(tmp / "out.pt")],
-                          cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, f"interpreted kernel failed:\n{proc.stderr[-4000:]}"
-    return torch.load(tmp / "out.pt")
+    return run_interpreted(_INTERPRETED_CALLS, [_problem(i) for i in range(len(CASES))], tmp_path_factory.mktemp("gemv"))
 
 
 def is_rounded_product(result: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,

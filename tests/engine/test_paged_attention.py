@@ -7,20 +7,15 @@ here, the subprocess only calls the kernels on them, and everything is compared 
 """
 from __future__ import annotations
 
-import importlib.util
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine import paged_attention
 from engine.paged_attention_torch import reference_decode, reference_prefill
+from interpreted import run_interpreted
 from paged_attention_cases import DECODE, OUT_FILL, PREFILL, TOLERANCE, Spec, build, claimed
 
-ROOT = Path(__file__).resolve().parents[2]
 CASES = [(spec, "paged_decode_attention") for spec in DECODE] + [(spec, "paged_prefill_attention") for spec in PREFILL]
 
 # Calls the kernels on the saved problems; prints nothing, writes [(output, output is the given `out`)].
@@ -77,15 +72,8 @@ def _check(spec: Spec, args: dict, result: torch.Tensor) -> None:
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory) -> list[tuple[torch.Tensor, bool]]:
     """[(output, whether it is the caller's `out`)] of every case, from the kernels under TRITON_INTERPRET=1."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed: the kernels cannot be interpreted")
-    tmp = tmp_path_factory.mktemp("paged_attention")
-    torch.save([(name, _problem(spec)) for spec, name in CASES], tmp / "calls.pt")
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETED_CALLS, str(tmp / "calls.pt"), str(tmp / "out.pt")],
-                          cwd=ROOT, env={**__import__("os").environ, "TRITON_INTERPRET": "1"},
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"interpreted kernels failed:\n{proc.stderr[-4000:]}"
-    return torch.load(tmp / "out.pt")
+    return run_interpreted(_INTERPRETED_CALLS, [(name, _problem(spec)) for spec, name in CASES],
+                           tmp_path_factory.mktemp("paged_attention"))
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{n.split('_')[1]}-{s.name}" for s, n in CASES])
