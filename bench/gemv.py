@@ -66,15 +66,9 @@ def measure(in_features: int, out_features: int, sweep: bool) -> dict:
         for block_n, block_k, warps in itertools.product([2, 4, 8, 16, 32], [128, 256, 512, 1024, 2048], [4, 8, 16]):
             if not 1024 <= block_n * block_k <= 16384 or in_features % block_k:
                 continue
-            y = torch.empty(1, out_features, device="cuda", dtype=torch.bfloat16)
-            grid = (-(-out_features // block_n),)
-
-            def tile(w: torch.Tensor, block_n=block_n, block_k=block_k, warps=warps, y=y) -> torch.Tensor:
-                gemv._kernels.gemv_kernel[grid](x, w, w, y, out_features, w.stride(0), K=in_features,
-                                                BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=False, EVEN_K=True,
-                                                num_warps=warps)
-                return y
-            timed.append((per_call_us(calls(tile)), block_n, block_k, warps))
+            config = (block_n, block_k, warps)
+            timed.append((per_call_us(calls(lambda w, config=config: gemv.gemv(x, w, config=config))),
+                          block_n, block_k, warps))
         row["fastest"] = [{"us": round(t, 2), "block_n": n, "block_k": k, "warps": w} for t, n, k, w in sorted(timed)[:5]]
     for name in ("linear", "gemv"):
         row[f"{name}_us"] = round(row[f"{name}_us"], 2)

@@ -51,9 +51,11 @@ def serves(x: Tensor, weight: Tensor) -> bool:
 
 
 @torch.jit.ignore
-def gemv(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+def gemv(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
+         config: Optional[Tuple[int, int, int]] = None) -> Tensor:
     """x [1, in] @ weight [out, in]^T (+ bias [out]) → [1, out] in x's dtype (any device Triton runs on: the CPU
-    under TRITON_INTERPRET=1, for the tests)."""
+    under TRITON_INTERPRET=1, for the tests). `config`: (BLOCK_N, BLOCK_K, warps) instead of `gemv_config`'s (what
+    bench/gemv.py --sweep times)."""
     out_features, in_features = weight.shape
     if x.shape != (1, in_features):
         raise ValueError(f"gemv takes one row of {in_features} inputs, got {tuple(x.shape)}")
@@ -61,7 +63,7 @@ def gemv(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
         raise ValueError(f"bias {tuple(bias.shape)} for {out_features} outputs")
     x = x.contiguous()
     y = torch.empty((1, out_features), dtype=x.dtype, device=x.device)
-    block_n, block_k, warps = gemv_config(out_features, in_features)
+    block_n, block_k, warps = config if config is not None else gemv_config(out_features, in_features)
     _kernels.gemv_kernel[(-(-out_features // block_n),)](
         x, weight, weight if bias is None else bias, y, out_features, weight.stride(0), K=in_features,
         BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, EVEN_K=in_features % block_k == 0,

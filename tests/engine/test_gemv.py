@@ -38,6 +38,7 @@ import torch
 from engine import gemv
 calls = torch.load(sys.argv[1])
 results = [gemv.gemv(**args) for args in calls]
+results.append(gemv.gemv(**calls[0], config=(4, 128, 4)))  # a tile other than gemv_config's
 refusals = []
 for args in ({"x": torch.zeros(2, 8), "weight": torch.zeros(4, 8)},
              {"x": torch.zeros(1, 8), "weight": torch.zeros(4, 8), "bias": torch.zeros(3)}):
@@ -75,6 +76,11 @@ def test_kernel_equals_the_exact_product_rounded(interpreted, index):
     result = interpreted[0][index]
     assert result.shape == (1, CASES[index][1]) and result.dtype == args["x"].dtype
     ok = is_rounded_product(result, **args)
+    assert ok.all(), f"{int((~ok).sum())} of {ok.numel()} outputs off by more than an ulp"
+
+
+def test_a_tile_given_by_the_caller_computes_the_same_product(interpreted):
+    ok = is_rounded_product(interpreted[0][len(CASES)], **_problem(0))
     assert ok.all(), f"{int((~ok).sum())} of {ok.numel()} outputs off by more than an ulp"
 
 
