@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from typing import TypeVar
 
 import torch
@@ -168,19 +168,25 @@ def _load(settings: Settings, on_worker_failure: Callable[[Worker], None] | None
     return state
 
 
-async def _in_own_thread(fn: Callable[[], T]) -> T:
-    """fn() on a new thread that ends with it.
+async def _in_own_thread(fn: Callable[[], T], discard: Callable[[T], None] | None = None) -> T:
+    """fn() on a new thread that ends with it; cancelled, waits for fn to return and hands what it made to `discard`
+    (a loaded model's started workers, to stop).
 
     Loading runs torch's parallel ops, and each thread that does gets its own OpenMP team, kept while the thread
     lives. With more OpenMP threads alive than cores, libgomp stops spinning at its barriers and sleeps instead, so
     every parallel region of the workers then waits on a futex wake-up: one stream decoded at 17 ms/token instead of
     6 with the loader in an executor thread (asyncio.to_thread), which never ends.
+    Torch's code cannot be interrupted, and a process that exits while the thread is inside it aborts
+    (std::terminate: "terminate called without an active exception", exit 134), so a cancellation (SIGTERM while
+    loading) waits for the thread.
     """
     loop = asyncio.get_running_loop()
     done: asyncio.Future[T] = loop.create_future()
 
     def settle(result: T | None, error: BaseException | None) -> None:
         if done.cancelled():
+            if error is None and discard is not None:
+                discard(result)
             return
         if error is None:
             done.set_result(result)
@@ -195,8 +201,15 @@ async def _in_own_thread(fn: Callable[[], T]) -> T:
         else:
             loop.call_soon_threadsafe(settle, result, None)
 
-    threading.Thread(target=run, name="model-loader", daemon=True).start()
-    return await done
+    thread = threading.Thread(target=run, name="model-loader", daemon=True)
+    thread.start()
+    try:
+        return await done
+    except asyncio.CancelledError:
+        while thread.is_alive():
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0)  # settle, called from the thread's last act, runs before this returns
+        raise
 
 
 async def _load_in_background(app: FastAPI, settings: Settings) -> None:
@@ -206,7 +219,7 @@ async def _load_in_background(app: FastAPI, settings: Settings) -> None:
         loop.call_soon_threadsafe(_stop_serving, app, f"{worker.name} stopped serving: {worker.failure}")
 
     try:
-        state = await _in_own_thread(lambda: _load(settings, worker_failed))
+        state = await _in_own_thread(lambda: _load(settings, worker_failed), _stop_workers)
     except Exception as e:  # a model that cannot load leaves nothing to serve: stop the server with the reason
         log.error("cannot load model %r: %s", settings.model, e)
         app.state.load_error = str(e)
@@ -222,6 +235,11 @@ async def _load_in_background(app: FastAPI, settings: Settings) -> None:
     log.info("serving %s at http://%s:%d/v1%s%s", state.model_id, settings.host, settings.port,
              f" with the {settings.preset} preset" if settings.preset else "",
              " (API key required)" if settings.api_key else "")
+
+
+def _stop_workers(state: ModelState) -> None:
+    """What a load cancelled before it finished (a SIGTERM while loading) started: its workers."""
+    state.pool.stop()
 
 
 def _stop_serving(app: FastAPI, reason: str) -> None:
@@ -249,6 +267,8 @@ def create_app(settings: Settings) -> FastAPI:
             yield
         finally:
             loading.cancel()
+            with suppress(asyncio.CancelledError):
+                await loading  # a load still running ends first (_in_own_thread)
             state: ModelState | None = app.state.model
             if state is not None:
                 state.pool.stop()

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from engine import KNOWN_MODELS, ModelFormatError
 from engine.weights import no_progress
 
-from .app import _in_own_thread, _load
+from .app import _in_own_thread, _load, _stop_workers
 from .generator import GenerationConfig, Generator, generation_request
 from .model_catalog import is_generator_model
 from .presets import get_preset
@@ -140,7 +140,8 @@ class GeneratorBuilder:
         if self._offline:
             _check_local(settings.model)
         progress = no_progress if self._quiet else None
-        state = await _in_own_thread(lambda: _load(settings, progress=progress, prepare_grammars=False))
+        state = await _in_own_thread(lambda: _load(settings, progress=progress, prepare_grammars=False),
+                                     _stop_workers)
         return Generator(state, config)
 
     def build_sync(self) -> SyncGenerator:

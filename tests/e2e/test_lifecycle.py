@@ -101,6 +101,31 @@ def test_health_is_503_while_loading(tmp_path: Path) -> None:
     assert srv.process.returncode is not None
 
 
+def test_sigterm_while_loading_exits_0(tmp_path: Path) -> None:
+    """Stopped while the model loads (a container stopped at once, Ctrl-C): the load ends, the workers it started
+    stop, and the process exits 0. Exiting under the loader's torch code aborted (std::terminate, exit 134)."""
+    srv = helpers.start_server(tmp_path, "--model", MODEL, wait=False)
+    try:
+        deadline = time.monotonic() + helpers.STARTUP_TIMEOUT_S
+        while True:
+            assert srv.process.poll() is None, srv.log()
+            assert time.monotonic() < deadline, f"never answered 'loading':\n{srv.log()}"
+            try:
+                r = httpx.get(f"{srv.base_url}/health", timeout=5)
+            except httpx.TransportError:  # not listening yet
+                time.sleep(0.05)
+                continue
+            assert r.status_code == 503, f"loaded before the signal could be sent: {r.text}"
+            break
+        srv.process.terminate()
+        assert srv.process.wait(timeout=60) == 0, srv.log()
+        assert "terminate called" not in srv.log()
+    finally:
+        if srv.process.poll() is None:
+            srv.process.kill()
+            srv.process.wait()
+
+
 def test_stream_disconnect_cancels_generation(base_url: str, http: httpx.Client) -> None:
     before = wait_idle(http)["generated_tokens"]
     with httpx.Client(base_url=base_url, timeout=30) as c:

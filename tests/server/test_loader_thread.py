@@ -37,3 +37,29 @@ def test_a_failed_load_raises_in_the_awaiting_task() -> None:
 
     with pytest.raises(FileNotFoundError, match="no such model"):
         asyncio.run(_in_own_thread(load))
+
+
+def test_a_cancelled_load_waits_for_the_thread_and_discards_what_it_made() -> None:
+    """A SIGTERM while loading cancels the awaiting task: the thread is waited for (a process that exits under its
+    torch code aborts), and what it loaded goes to `discard` (the server stops the workers it started)."""
+    release, discarded, seen = threading.Event(), [], []
+
+    def load() -> str:
+        seen.append(threading.current_thread())
+        release.wait(5)
+        return "state"
+
+    async def main() -> None:
+        task = asyncio.create_task(_in_own_thread(load, discarded.append))
+        while not seen:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.sleep(0.1)
+        assert not task.done()  # still waiting for the thread
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not seen[0].is_alive()
+
+    asyncio.run(main())
+    assert discarded == ["state"]
