@@ -254,6 +254,21 @@ class Tokenizer:
         self._template_tokens = {k: self.id_to_token(i) for k, i in names.items() if i is not None}
         self.set_chat_template(chat_template)
 
+    # Picklable, for the engine process to hand its tokenizer to the HTTP process (server/engine_process.py): what
+    # is built on first use (the literal backend, the special-text finder, token bytes) is built again there; the
+    # lock and the compiled chat template cannot travel.
+    _UNPICKLED = ("_literal", "_special_text", "_literal_lock", "_chat")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = {k: v for k, v in self.__dict__.items() if k not in self._UNPICKLED}
+        state["_bytes"] = [None] * self.vocab_size
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._literal, self._special_text, self._literal_lock = None, None, threading.Lock()
+        self.set_chat_template(state["chat_template"])
+
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
         """The tokenizer described by a GGUF file's `tokenizer.*` metadata."""
