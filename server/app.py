@@ -42,6 +42,8 @@ from .settings import Settings, device_default
 from .speculation import SpeculativeConfig, Speculator
 from .draft_model import DraftModel, vocabulary_mismatch
 from .worker import Worker, WorkerPool
+from .engine_process import EngineClient
+from .engine_wire import ServedModel
 
 log = logging.getLogger("emberserve")
 T = TypeVar("T")
@@ -121,7 +123,7 @@ def start_serving(settings: Settings, runners: list[Runner], on_worker_failure: 
     workers = [Worker(runner, f"worker-{i}", max_running=max_running, threads=threads, on_failure=on_worker_failure,
                       max_batched_tokens=device_default(settings, "max_batched_tokens", encoder=runner.is_encoder),
                       speculator=speculators[i],
-                      async_scheduling=settings.async_scheduling)
+                      async_scheduling=bool(device_default(settings, "async_scheduling")))
                for i, runner in enumerate(runners)]
     for i, worker in enumerate(workers):
         tp = worker.runner.tensor_parallel
@@ -131,7 +133,12 @@ def start_serving(settings: Settings, runners: list[Runner], on_worker_failure: 
             tp.on_failure(worker.fail)  # a rank that dies takes the worker, and so the server, down
     pool = WorkerPool(workers, settings.max_queued)
     pool.start()
-    runner = runners[0]
+    return model_state(settings, runners[0], pool, prepare_grammars)
+
+
+def model_state(settings: Settings, runner: Runner | ServedModel, pool: WorkerPool | EngineClient,
+                prepare_grammars: bool = True) -> ModelState:
+    """The served model's state over its pool: in this process, or the engine process's (`runner` then its facts)."""
     model_id = settings.served_model_name or runner.name
     digest = hashlib.sha256(f"{__version__}:{model_id}:{runner.dtype}:{runner.quant}:{runner.device}:"
                             f"{runner.deterministic}".encode()).hexdigest()[:10]
@@ -168,9 +175,10 @@ def _load(settings: Settings, on_worker_failure: Callable[[Worker], None] | None
     return state
 
 
-async def _in_own_thread(fn: Callable[[], T], discard: Callable[[T], None] | None = None) -> T:
-    """fn() on a new thread that ends with it; cancelled, waits for fn to return and hands what it made to `discard`
-    (a loaded model's started workers, to stop).
+async def _in_own_thread(fn: Callable[[], T], discard: Callable[[T], None] | None = None,
+                         interrupt: Callable[[], None] | None = None) -> T:
+    """fn() on a new thread that ends with it; cancelled, calls `interrupt` (what makes fn return sooner), waits for
+    fn to return and hands what it made to `discard` (a loaded model's started workers, to stop).
 
     Loading runs torch's parallel ops, and each thread that does gets its own OpenMP team, kept while the thread
     lives. With more OpenMP threads alive than cores, libgomp stops spinning at its barriers and sleeps instead, so
@@ -206,20 +214,35 @@ async def _in_own_thread(fn: Callable[[], T], discard: Callable[[T], None] | Non
     try:
         return await done
     except asyncio.CancelledError:
+        if interrupt is not None:
+            interrupt()
         while thread.is_alive():
             await asyncio.sleep(0.05)
         await asyncio.sleep(0)  # settle, called from the thread's last act, runs before this returns
         raise
 
 
+async def _load_engine_process(settings: Settings, on_failure: Callable[[str], None]) -> ModelState:
+    """Start the engine process (server/engine_process.py) and serve from it once its model is loaded."""
+    client = EngineClient(settings, on_failure)
+    served = await _in_own_thread(client.wait_ready, lambda _: client.stop(), client.kill)
+    log.info("the engine runs in process %d beside this one (the HTTP server's)", client.pid)
+    return model_state(settings, served, client)
+
+
 async def _load_in_background(app: FastAPI, settings: Settings) -> None:
     loop = asyncio.get_running_loop()
 
-    def worker_failed(worker: Worker) -> None:  # on the worker's thread
-        loop.call_soon_threadsafe(_stop_serving, app, f"{worker.name} stopped serving: {worker.failure}")
+    def stopped_serving(reason: str) -> None:  # on a worker's thread, or the engine process reader's
+        loop.call_soon_threadsafe(_stop_serving, app, reason)
 
     try:
-        state = await _in_own_thread(lambda: _load(settings, worker_failed), _stop_workers)
+        if device_default(settings, "engine_process"):
+            state = await _load_engine_process(settings, stopped_serving)
+        else:
+            state = await _in_own_thread(
+                lambda: _load(settings, lambda w: stopped_serving(f"{w.name} stopped serving: {w.failure}")),
+                _stop_workers)
     except Exception as e:  # a model that cannot load leaves nothing to serve: stop the server with the reason
         log.error("cannot load model %r: %s", settings.model, e)
         app.state.load_error = str(e)

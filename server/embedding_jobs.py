@@ -14,13 +14,14 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from engine import Runner
 
-from .generation import GenerationFailed
+from .generation import EventSink, GenerationFailed, Submission
 
 log = logging.getLogger("emberserve.scheduler")
 
@@ -37,28 +38,18 @@ EmbeddingEvent = EmbeddingsDone | GenerationFailed
 
 
 @dataclass(eq=False)  # identity: the queue keys its state by job
-class EmbeddingJob:
+class EmbeddingJob(Submission):
     """The token ids of one request's inputs, the pooling asked for, and a thread-safe channel back."""
 
     inputs: list[list[int]]
     pooling: str | None = None        # None: the runner's own
     request_id: str = ""
     arrival: float = field(default_factory=time.perf_counter)
-    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
+    loop: asyncio.AbstractEventLoop | None = field(default_factory=asyncio.get_running_loop)
     channel: asyncio.Queue[tuple[EmbeddingJob, EmbeddingEvent]] = field(default_factory=asyncio.Queue)
+    sink: EventSink | None = None                          # as Generation's
+    on_cancel: Callable[[EmbeddingJob], None] | None = None
     _cancelled: threading.Event = field(default_factory=threading.Event)
-
-    def emit(self, event: EmbeddingEvent) -> None:
-        """Send an event to the asyncio side; safe to call from the worker thread."""
-        self.loop.call_soon_threadsafe(self.channel.put_nowait, (self, event))
-
-    def cancel(self) -> None:
-        """Ask the worker to drop this job before its next step (idempotent, any thread)."""
-        self._cancelled.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
 
 
 @dataclass(eq=False)

@@ -4,7 +4,9 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from .grammar import CompiledGrammar
 from .sampling import SamplingParams
@@ -66,8 +68,36 @@ class GenerationFailed:
 Event = ChoiceDelta | PromptLogprobs | GenerationDone | GenerationFailed
 
 
+class Submission:
+    """What a Generation and an EmbeddingJob share: events back to their asyncio side (or their `sink`), and
+    cancellation (told to `on_cancel`). Expects the fields `loop`, `channel`, `sink`, `on_cancel`, `_cancelled`."""
+
+    loop: asyncio.AbstractEventLoop | None
+    channel: asyncio.Queue[Any]
+    sink: EventSink | None
+    on_cancel: Callable[[Any], None] | None
+    _cancelled: threading.Event
+
+    def emit(self, event: Any) -> None:
+        """Send an event to the asyncio side; safe to call from the worker thread."""
+        if self.sink is not None:
+            self.sink.deliver([(self, event)])
+        else:
+            self.loop.call_soon_threadsafe(self.channel.put_nowait, (self, event))
+
+    def cancel(self) -> None:
+        """Ask the worker to drop this at its next step (idempotent, any thread)."""
+        self._cancelled.set()
+        if self.on_cancel is not None:
+            self.on_cancel(self)
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
 @dataclass(eq=False)  # identity: the scheduler keys its state by Generation
-class Generation:
+class Generation(Submission):
     """Prompt ids, `n` choices with shared parameters, and a thread-safe channel back to the asyncio side.
 
     The generations of one request (one per prompt) share one `channel`, so that the serving layer reads all of
@@ -93,27 +123,32 @@ class Generation:
     # choice by load (Scheduler.auto_stream_interval).
     stream_interval: int = 1
     arrival: float = field(default_factory=time.perf_counter)  # when the request came in, for the latency metrics
-    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
+    loop: asyncio.AbstractEventLoop | None = field(default_factory=asyncio.get_running_loop)
     channel: asyncio.Queue[tuple[Generation, Event]] = field(default_factory=asyncio.Queue)
+    # Where the worker's events go instead of `channel` on `loop`: in the engine process (server/engine_process.py),
+    # the pipe to the HTTP process, which also says when the reader there is backlogged. None: in this process.
+    sink: EventSink | None = None
+    # Told of `cancel()`, on the canceller's thread: in the HTTP process, what forwards it to the engine process.
+    on_cancel: Callable[[Generation], None] | None = None
     _cancelled: threading.Event = field(default_factory=threading.Event)
-
-    def emit(self, event: Event) -> None:
-        """Send an event to the asyncio side; safe to call from the worker thread."""
-        self.loop.call_soon_threadsafe(self.channel.put_nowait, (self, event))
-
-    def cancel(self) -> None:
-        """Ask the worker to stop this generation at its next token (idempotent, any thread)."""
-        self._cancelled.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
 
     @property
     def backlogged(self) -> bool:
         """Whether the reader is so far behind that the worker should not make more tokens for now (any thread:
         a deque's length is read atomically)."""
-        return self.max_backlog is not None and self.channel.qsize() >= self.max_backlog
+        if self.max_backlog is None:
+            return False
+        if self.sink is not None:
+            return self.sink.backlogged(self)
+        return self.channel.qsize() >= self.max_backlog
+
+
+class EventSink(Protocol):
+    """A destination for a generation's events other than its channel (see `Generation.sink`)."""
+
+    def deliver(self, batch: list[tuple[Any, Any]]) -> None: ...
+
+    def backlogged(self, gen: Generation) -> bool: ...
 
 
 def _deliver(batch: list[tuple[Generation, Event]]) -> None:
@@ -135,9 +170,12 @@ class EventBatch:
         self._events.append((gen, event))
 
     def flush(self) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Generation, Event]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop | EventSink, list[tuple[Generation, Event]]] = {}
         for gen, event in self._events:
-            by_loop.setdefault(gen.loop, []).append((gen, event))
+            by_loop.setdefault(gen.sink or gen.loop, []).append((gen, event))
         self._events = []
-        for loop, batch in by_loop.items():
-            loop.call_soon_threadsafe(_deliver, batch)
+        for target, batch in by_loop.items():
+            if isinstance(target, asyncio.AbstractEventLoop):
+                target.call_soon_threadsafe(_deliver, batch)
+            else:
+                target.deliver(batch)

@@ -6,7 +6,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
@@ -24,6 +24,10 @@ from .sampling import SamplingParams
 from .sse import sse_error
 from .worker import WorkerPool
 
+if TYPE_CHECKING:
+    from .engine_process import EngineClient
+    from .engine_wire import ServedModel
+
 log = logging.getLogger("emberserve.serving")
 DISCONNECT_POLL_S = 0.2
 # Events a stream's reader may be behind, per choice, before the worker pauses its generation: a client that stops
@@ -36,8 +40,8 @@ class ModelState:
     """The served model: its id, runner and worker."""
 
     model_id: str
-    runner: Runner          # the first worker's runner: tokenizer, vocabulary, context size
-    pool: WorkerPool
+    runner: Runner | ServedModel  # the first worker's runner (the engine process's: its facts)
+    pool: WorkerPool | EngineClient
     fingerprint: str
     created: int
     max_prompt_tokens: int | None = None  # the operator's cap on prompt length, below the context

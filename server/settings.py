@@ -72,10 +72,14 @@ class Settings(BaseSettings):
     cuda_graphs: bool = Field(
         True, description="on a GPU, run decode steps and prompt chunks as CUDA graphs captured at start-up per "
                           "batch-size and chunk-length bucket")
-    async_scheduling: bool = Field(
-        False, description="launch the next step before the host has a greedy step's tokens (it reads them on the "
-                           "device), so that scheduling, detokenizing and stop checks run beside the device's work "
-                           "(GPU; not with speculative decoding or tensor parallelism)")
+    async_scheduling: bool | None = Field(
+        None, description="launch the next step before the host has a greedy step's tokens (it reads them on the "
+                          "device), so that scheduling, detokenizing and stop checks run beside the device's work "
+                          "(GPU; not with speculative decoding or tensor parallelism; default: on with a GPU)")
+    engine_process: bool | None = Field(
+        None, description="run the engine (the model, its scheduler and workers) in a process of its own beside the "
+                          "HTTP server, so that the two do not take turns on one GIL (default: on with a GPU; off "
+                          "on CPU, whose cores the two processes would share)")
     dense_prefill: bool | None = Field(
         None, description="with int4/int8 weights, also keep a bfloat16 copy of the layer weights for prompts, for 2 "
                           "bytes per weight more memory (default: where it is faster, i.e. unless the int8 "
@@ -191,10 +195,12 @@ class Settings(BaseSettings):
         return value.lower() if isinstance(value, str) else value
 
 
-CPU_DEFAULTS = {"max_running": 32, "max_batched_tokens": 512, "speculative_disable_by_batch_size": None}
+CPU_DEFAULTS = {"max_running": 32, "max_batched_tokens": 512, "speculative_disable_by_batch_size": None,
+                "engine_process": False, "async_scheduling": False}
 # Past MAX_CHUNKS drafting sequences a GPU step runs eagerly, and speculation at 8 streams was slower than none
 # (bench/RESULTS.md, issue 16).
-GPU_DEFAULTS = {"max_running": 256, "max_batched_tokens": 8192, "speculative_disable_by_batch_size": MAX_CHUNKS}
+GPU_DEFAULTS = {"max_running": 256, "max_batched_tokens": 8192, "speculative_disable_by_batch_size": MAX_CHUNKS,
+                "engine_process": True, "async_scheduling": True}
 # An encoder only embeds: its steps need not stay short for decoding streams, and a batch split into small steps
 # pays each step's fixed costs again (a request of 64 sentences: 4 steps instead of 1 under the CPU default).
 ENCODER_DEFAULTS = {"max_batched_tokens": 8192}

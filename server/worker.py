@@ -25,6 +25,18 @@ RETRY_AFTER_S = "2"
 MAX_FAILED_STEPS = 3
 
 
+def worker_failed_error() -> APIError:
+    """What a submission gets once the server cannot generate any more (it exits, and its supervisor restarts it)."""
+    return APIError(503, "the server cannot generate (a worker failed) and is restarting; retry shortly",
+                    code="worker_failed", headers={"Retry-After": RETRY_AFTER_S})
+
+
+def queue_full_error(waiting: int) -> APIError:
+    """What a submission gets past `--max-queued` waiting requests."""
+    return APIError(429, f"the server is busy: {waiting} requests are waiting; retry shortly",
+                    code="queue_full", headers={"Retry-After": RETRY_AFTER_S})
+
+
 class WorkerBroken(Exception):
     """Raised on a worker's thread when it stops serving for good."""
 
@@ -187,12 +199,10 @@ class WorkerPool:
 
     def submit(self, gen: Generation | EmbeddingJob) -> None:
         if self.failure is not None:
-            raise APIError(503, "the server cannot generate (a worker failed) and is restarting; retry shortly",
-                           code="worker_failed", headers={"Retry-After": RETRY_AFTER_S})
+            raise worker_failed_error()
         worker = min(self.workers, key=lambda w: w.load)
         if worker.queued >= self.max_queued:
-            raise APIError(429, f"the server is busy: {worker.queued} requests are waiting; retry shortly",
-                           code="queue_full", headers={"Retry-After": RETRY_AFTER_S})
+            raise queue_full_error(worker.queued)
         worker.submit(gen)
         if worker.failure is not None:  # it failed as this was sent: its inbox may have been emptied already
             gen.emit(GenerationFailed(500, "the worker failed; the server is restarting"))

@@ -69,3 +69,13 @@ def stop_server(server: ServerProcess) -> None:
     except subprocess.TimeoutExpired:
         server.process.kill()
         server.process.wait()
+
+
+def health_while_exiting(base_url: str) -> dict | None:
+    """/health of a server on its way out after a failure: its 503 body, or None once it no longer answers."""
+    try:
+        answer = httpx.get(f"{base_url}/health", timeout=5)
+    except httpx.TransportError:
+        return None
+    assert answer.status_code == 503, answer.text
+    return answer.json()

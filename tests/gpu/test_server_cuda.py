@@ -1,6 +1,7 @@
 """A real `--device cuda` server (skipped without CUDA; run on the GPU machine): 128 concurrent clients with mixed
-sampling fields, a fifth of them leaving at random moments (bench/soak.py), then nothing leaked and no 5xx; with
-and without async scheduling."""
+sampling fields, a fifth of them leaving at random moments (bench/soak.py), then nothing leaked and no 5xx; the
+defaults on a GPU (the engine in its own process, async scheduling), without async scheduling, and everything in
+the server's process."""
 from __future__ import annotations
 
 import asyncio
@@ -16,7 +17,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 SMALL = Shape("llama", 256, 4, 4, 2, 64, 512, 49152, 10000.0)  # the soak's token ids fit its vocabulary
 
 
-@pytest.mark.parametrize("flags", [[], ["--async-scheduling"]], ids=["default", "async-scheduling"])
+@pytest.mark.parametrize("flags", [[], ["--no-async-scheduling"], ["--no-engine-process", "--no-async-scheduling"]],
+                         ids=["default", "no-async-scheduling", "one-process"])
 def test_a_cuda_server_under_128_clients_leaves_nothing_behind(tmp_path, flags) -> None:
     model = write_model_dir(SMALL, tmp_path / "model", device="cuda")
     srv = start_server(tmp_path, "--model", str(model.path), "--device", "cuda", "--served-model-name", soak.MODEL,

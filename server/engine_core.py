@@ -1,0 +1,145 @@
+"""The engine process's main (`serve_engine`): load the model as the one-process server does, serve its worker pool,
+and answer the HTTP process's pipe (server/engine_process.py has the other end)."""
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from multiprocessing.connection import Connection
+from typing import Any
+
+from .embedding_jobs import EmbeddingJob
+from .engine_wire import ServedModel, encode_event, is_final
+from .errors import APIError
+from .generation import Generation, GenerationFailed, Submission
+from .grammar import GrammarCompiler, StructuredOutputError
+from .settings import Settings
+
+log = logging.getLogger("emberserve.engine_process")
+
+
+class _EngineSide:
+    """The engine process's end of the pipe: builds each submission for the pool and sends its events back
+    (the `sink` of every Generation and EmbeddingJob it holds)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._send_lock = threading.Lock()
+        self._subs: dict[int, Submission] = {}
+        self._id_of: dict[Submission, int] = {}
+        self._paused: set[Submission] = set()
+        self._gone = False  # the HTTP process is: nothing more is sent
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        if self._gone:
+            return
+        try:
+            with self._send_lock:
+                self._conn.send(message)
+        except OSError:
+            self._gone = True
+
+    # EventSink: called by the scheduler's worker thread
+    def deliver(self, batch: list[tuple[Submission, Any]]) -> None:
+        wire = []
+        for sub, event in batch:
+            gid = self._id_of.get(sub)
+            if gid is None:
+                continue  # cancelled since
+            wire.append((gid, encode_event(event)))
+            if is_final(event):
+                self._drop(gid)
+        if wire:
+            self.send(("events", wire))
+
+    def backlogged(self, gen: Generation) -> bool:
+        return gen in self._paused
+
+    def _drop(self, gid: int) -> Submission | None:
+        sub = self._subs.pop(gid, None)
+        if sub is not None:
+            self._id_of.pop(sub, None)
+            self._paused.discard(sub)
+        return sub
+
+    def serve(self, state: Any) -> None:
+        """Answer the HTTP process until it says stop or goes away; then stop the workers."""
+        serving = True
+        while serving:
+            try:
+                messages = self._conn.recv()  # what the HTTP process queued in one turn of its event loop
+            except (EOFError, OSError):
+                log.warning("the HTTP process went away: stopping")
+                break
+            for kind, *payload in messages:
+                if kind == "stop":
+                    serving = False
+                    break
+                self._handle(state, kind, payload)
+        state.pool.stop()
+        self.send(("stopped",))
+
+    def _handle(self, state: Any, kind: str, payload: list[Any]) -> None:
+        if kind == "generate":
+            self._submit(state.pool, payload[0], self._generation(payload[1], state.grammars))
+        elif kind == "embed":
+            self._submit(state.pool, payload[0], EmbeddingJob(**payload[1], loop=None, channel=None, sink=self))
+        elif kind == "cancel":
+            sub = self._drop(payload[0])
+            if sub is not None:
+                sub.cancel()
+        elif kind == "backlog":
+            sub = self._subs.get(payload[0])
+            if sub is not None:
+                (self._paused.add if payload[1] else self._paused.discard)(sub)
+        elif kind == "stats":
+            self.send(("stats", state.pool.stats()))
+
+    def _generation(self, spec: dict[str, Any], grammars: GrammarCompiler) -> Generation | GenerationFailed:
+        grammar = spec.pop("grammar")
+        if grammar is not None:
+            try:  # compiled and cached here too: a matcher cannot travel
+                grammar = grammars.compile(grammar)
+            except StructuredOutputError as e:
+                return GenerationFailed(400, e.message)
+        return Generation(**spec, grammar=grammar, loop=None, channel=None, sink=self)
+
+    def _submit(self, pool: Any, gid: int, sub: Submission | GenerationFailed) -> None:
+        if isinstance(sub, GenerationFailed):
+            self.send(("events", [(gid, sub)]))
+            return
+        self._subs[gid], self._id_of[sub] = sub, gid
+        try:
+            pool.submit(sub)
+        except APIError as e:  # the pool's own limits (the HTTP side checks them first, so a race)
+            self._drop(gid)
+            self.send(("events", [(gid, GenerationFailed(e.status, e.message, e.code))]))
+
+
+def serve_engine(conn: Connection, settings: Settings) -> None:
+    """The engine process: load the model as the one-process server does, then serve the HTTP process's pipe."""
+    # Signals are the HTTP process's to act on (a drain needs the engine until its last stream ends); it says stop,
+    # or its end of the pipe closes.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from .app import GIL_SWITCH_INTERVAL_S, _load  # the app module imports this one
+    from .cli import cap_malloc_arenas
+    from .logs import configure_logging
+
+    cap_malloc_arenas()
+    configure_logging(settings.log_level, settings.log_format)
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    side = _EngineSide(conn)
+
+    def worker_failed(worker: Any) -> None:  # on the worker's thread
+        side.send(("failed", f"{worker.name} stopped serving: {worker.failure}"))
+
+    try:
+        state = _load(settings, worker_failed)
+    except Exception as e:
+        log.debug("the model did not load", exc_info=e)
+        side.send(("load_failed", str(e)))
+        return
+    side.send(("ready", ServedModel.of(state.runner)))
+    side.serve(state)
