@@ -265,14 +265,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_part(model: ModelDir, shape: Shape, args: argparse.Namespace, budget: Budget, work: Path) -> dict:
-    """Start the real server on the model directory and stream completions at each concurrency."""
+def server_part(model: ModelDir, shape: Shape, args: argparse.Namespace, extra: str, budget: Budget,
+                work: Path) -> dict:
+    """Start the real server on the model directory (with the `serve` flags `extra`) and stream completions at
+    each concurrency."""
     import serve  # bench/serve.py: the streaming client, its percentiles and summary rows
 
     port = _free_port()
     log_path = work / f"server-{port}.log"
     cmd = [sys.executable, "-m", "server", "serve", "--model", str(model.path), "--device", args.device,
-           "--port", str(port), "--log-level", "warning", *shlex.split(args.server_args)]
+           "--port", str(port), "--log-level", "warning", *shlex.split(extra)]
     log(f"  starting {' '.join(cmd)}")
     t0 = time.monotonic()
     with log_path.open("wb") as out:
@@ -326,7 +328,7 @@ async def _load(serve: Any, base: str, shape: Shape, args: argparse.Namespace, b
                 continue
             bench.args.timeout = max(10.0, budget.left())  # per request, stream included
             rng = random.Random(100 + c)
-            n = args.server_requests or max(c, 2)
+            n = args.server_requests or max(c * args.server_rounds, 2)
             prompts = [random_ids(args.server_prompt_tokens, shape.vocab, rng) for _ in range(n)]
             warmup = random_ids(args.server_prompt_tokens, shape.vocab, rng) if i == 0 else ""
             t0 = time.monotonic()
@@ -417,8 +419,10 @@ def run_shape(name: str, args: argparse.Namespace, device: torch.device, bandwid
             del runner
             free_memory()
     if "server" in args.parts:
-        log(f"{name}: server over HTTP")
-        _guarded(report, "server", lambda: server_part(model, shape, args, budget("server"), work), save)
+        for i, extra in enumerate(args.server_args or [""]):  # one server a variant, the first as "server"
+            log(f"{name}: server over HTTP{f' ({extra})' if extra else ''}")
+            _guarded(report, "server" if i == 0 else f"server {extra}",
+                     lambda: server_part(model, shape, args, extra, budget("server"), work), save)
     if not args.keep_model_dir:
         shutil.rmtree(model.path, ignore_errors=True)
 
@@ -470,12 +474,14 @@ def markdown(report: dict) -> str:
                 f"{r['prompt_tokens']} tokens {r['ttft_ms']} ms" for r in ttft if r.get("ttft_ms")))
         elif ttft:
             lines.append(f"\nTTFT failed: {ttft['error'][:300]}")
-        server = shape.get("server")
-        if server:
+        for key, server in shape.items():
+            if not key.startswith("server") or not isinstance(server, dict):
+                continue
+            flags = " ".join(server.get("command", [])[12:]) or "default flags"
             if server.get("error"):
-                lines.append(f"\nserver: {server['error'][:300]}")
+                lines.append(f"\nserver ({flags}): {server['error'][:300]}")
             if server.get("scenarios"):
-                lines.append("\n| server concurrency | output tok/s | TTFT p50 ms | ITL p50 ms | errors |")
+                lines.append(f"\n| server ({flags}), concurrency | output tok/s | TTFT p50 ms | ITL p50 ms | errors |")
                 lines.append("|---|---|---|---|---|")
             for r in server.get("scenarios", []):
                 if "skipped" in r:
@@ -526,7 +532,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--server-max-tokens", type=int, default=256)
     ap.add_argument("--server-requests", type=int, default=0,
                     help="requests per concurrency (default: the concurrency, at least 2)")
-    ap.add_argument("--server-args", default="", help='extra `serve` flags, e.g. "--max-running 128"')
+    ap.add_argument("--server-rounds", type=int, default=1,
+                    help="without --server-requests: requests per concurrency as this many times the concurrency")
+    ap.add_argument("--server-args", action="append", default=[],
+                    help='extra `serve` flags, e.g. "--max-running 128"; given again, one more server with those '
+                         'flags (the server part runs once per value)')
     ap.add_argument("--bandwidth-gib", type=float, default=None, help="copy size (default 4 on GPU, 0.25 on CPU)")
     ap.add_argument("--budget-s", type=float, default=300.0, help="the whole run's deadline")
     ap.add_argument("--part-budget", type=_part_budgets, default=dict(DEFAULT_PART_BUDGET),
