@@ -6,6 +6,7 @@ import logging
 import signal
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -30,6 +31,11 @@ class _EngineSide:
         self._id_of: dict[Submission, int] = {}
         self._paused: set[Submission] = set()
         self._gone = False  # the HTTP process is: nothing more is sent
+        # A constrained generation's grammar compiles off the pipe's thread (a slow one must not hold back the
+        # other requests' submissions, cancellations and stats), as in one process it does off the event loop.
+        self._compiles = ThreadPoolExecutor(max_workers=2, thread_name_prefix="engine-grammar")
+        self._compiling: set[int] = set()  # ids whose grammar compiles: cancelled by leaving this set
+        self._lock = threading.Lock()      # a submission's registration against its cancellation
 
     def send(self, message: tuple[Any, ...]) -> None:
         if self._gone:
@@ -77,16 +83,24 @@ class _EngineSide:
                     serving = False
                     break
                 self._handle(state, kind, payload)
+        self._compiles.shutdown(wait=False, cancel_futures=True)
         state.pool.stop()
         self.send(("stopped",))
 
     def _handle(self, state: Any, kind: str, payload: list[Any]) -> None:
         if kind == "generate":
-            self._submit(state.pool, payload[0], self._generation(payload[1], state.grammars))
+            gid, spec = payload
+            if spec["grammar"] is None:
+                self._submit(state.pool, gid, self._generation(spec, state.grammars))
+            else:
+                self._compiling.add(gid)
+                self._compiles.submit(self._compile_and_submit, state, gid, spec)
         elif kind == "embed":
             self._submit(state.pool, payload[0], EmbeddingJob(**payload[1], loop=None, channel=None, sink=self))
         elif kind == "cancel":
-            sub = self._drop(payload[0])
+            with self._lock:
+                self._compiling.discard(payload[0])
+                sub = self._drop(payload[0])
             if sub is not None:
                 sub.cancel()
         elif kind == "backlog":
@@ -105,11 +119,29 @@ class _EngineSide:
                 return GenerationFailed(400, e.message)
         return Generation(**spec, grammar=grammar, loop=None, channel=None, sink=self)
 
-    def _submit(self, pool: Any, gid: int, sub: Submission | GenerationFailed) -> None:
+    def _compile_and_submit(self, state: Any, gid: int, spec: dict[str, Any]) -> None:
+        try:
+            sub = self._generation(spec, state.grammars)
+        except Exception:  # on an executor's thread, where nobody would see it: its request would wait forever
+            log.exception("%s: compiling the output's grammar failed", spec.get("request_id"))
+            sub = GenerationFailed(500, "internal error while compiling the output's grammar")
+        with self._lock:
+            if gid not in self._compiling:
+                return  # cancelled while its grammar compiled
+            self._compiling.discard(gid)
+            self._register(gid, sub)
+        self._submit(state.pool, gid, sub, registered=True)
+
+    def _register(self, gid: int, sub: Submission | GenerationFailed) -> None:
+        if not isinstance(sub, GenerationFailed):
+            self._subs[gid], self._id_of[sub] = sub, gid
+
+    def _submit(self, pool: Any, gid: int, sub: Submission | GenerationFailed, registered: bool = False) -> None:
         if isinstance(sub, GenerationFailed):
             self.send(("events", [(gid, sub)]))
             return
-        self._subs[gid], self._id_of[sub] = sub, gid
+        if not registered:
+            self._register(gid, sub)
         try:
             pool.submit(sub)
         except APIError as e:  # the pool's own limits (the HTTP side checks them first, so a race)

@@ -15,6 +15,7 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import queue
 import threading
 from collections.abc import Callable
 from contextlib import suppress
@@ -60,6 +61,11 @@ class EngineClient:
         self._send_lock = threading.Lock()
         self._outbox: list[tuple[Any, ...]] = []  # messages for the engine, written together (see `_send`)
         self._flush_scheduled = False
+        # Writes happen on a thread of their own: a burst's batch can be more than the pipe holds, and the event
+        # loop must not wait for the engine process to read it.
+        self._batches: queue.SimpleQueue[list[tuple[Any, ...]] | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_batches, name="engine-writer", daemon=True)
+        self._writer.start()
         self._ids = itertools.count()
         self._live: dict[int, Submission] = {}       # submitted, not ended: by id
         self._id_of: dict[Submission, int] = {}
@@ -97,10 +103,9 @@ class EngineClient:
     def stop(self) -> None:
         """Ask the engine to stop its workers and exit; killed past STOP_TIMEOUT_S."""
         self._stopping = True
-        try:
-            self._send(("stop",), now=True)
-        except OSError:
-            pass
+        self._send(("stop",), now=True)
+        self._batches.put(None)
+        self._writer.join(STOP_TIMEOUT_S)
         self._process.join(STOP_TIMEOUT_S)
         if self._process.is_alive():
             log.warning("the engine process did not stop in %.0f s: killed", STOP_TIMEOUT_S)
@@ -134,22 +139,19 @@ class EngineClient:
         """The engine's `WorkerPool.stats()`, asked for now (the last answer if the engine does not answer)."""
         with self._stats_lock:
             self._stats_reply.clear()
-            try:
-                self._send(("stats",), now=True)
-            except OSError:
-                return self._stats
+            self._send(("stats",), now=True)
             self._stats_reply.wait(STATS_TIMEOUT_S)
             return self._stats
 
     # ---- the HTTP process's side of the wire ----
     def _send(self, message: tuple[Any, ...], now: bool = False) -> None:
         """Queue a message for the engine: those of one event-loop turn go in one write, so that a burst of
-        requests costs the engine process one wake-up (and one turn of its GIL), not one each. `now`: write it,
-        with what is queued, at once (OSError if the engine is gone)."""
+        requests costs the engine process one wake-up (and one turn of its GIL), not one each. `now`: hand it on
+        with what is queued without waiting for the turn to end (any thread). Messages keep their order."""
         with self._send_lock:
             self._outbox.append(message)
             if now:
-                self._write()
+                self._hand_to_writer()
             elif not self._flush_scheduled:
                 self._flush_scheduled = True
                 self._loop.call_soon_threadsafe(self._flush)
@@ -157,15 +159,21 @@ class EngineClient:
     def _flush(self) -> None:
         with self._send_lock:
             self._flush_scheduled = False
-            try:
-                self._write()
-            except OSError:
-                pass  # the engine is gone: the reader thread fails what it held
+            self._hand_to_writer()
 
-    def _write(self) -> None:
+    def _hand_to_writer(self) -> None:
         if self._outbox:
             batch, self._outbox = self._outbox, []
-            self._conn.send(batch)
+            self._batches.put(batch)
+
+    def _write_batches(self) -> None:
+        """The writer thread: each batch in one write, in order, until stop (or the engine is gone: the reader
+        thread then fails what it held)."""
+        while (batch := self._batches.get()) is not None:
+            try:
+                self._conn.send(batch)
+            except OSError:
+                return
 
     def _forget(self, gid: int) -> Submission | None:
         sub = self._live.pop(gid, None)

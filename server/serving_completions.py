@@ -105,7 +105,7 @@ class CompletionServing(OpenAIServing):
                 prompts.append(_Prompt(self.tokenizer.encode(item), item))
                 continue
             check_token_ids(item, self.runner.vocab_size, "prompt")
-            prompts.append(_Prompt(list(item), self.tokenizer.decode(item)))
+            prompts.append(_Prompt(list(item), self.tokenizer.decode(item) if req.echo else ""))  # text: for echo
         return prompts
 
     def _choice_start(self, prompt: _Prompt, echo: bool, builder: _LogprobsBuilder | None,

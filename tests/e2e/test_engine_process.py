@@ -113,6 +113,8 @@ def assert_same(got: Any, expected: Any, path: str = "") -> None:
     elif isinstance(expected, dict) and isinstance(got, dict):
         assert got.keys() == expected.keys(), f"{path}: keys {sorted(got)} != {sorted(expected)}"
         for key in expected:
+            if path.endswith("prompt_tokens_details") and key == "cached_tokens":
+                continue  # what each server's prefix cache holds depends on what it served before
             assert_same(got[key], expected[key], f"{path}.{key}")
     elif isinstance(expected, list) and isinstance(got, list):
         assert len(got) == len(expected), f"{path}: {len(got)} items != {len(expected)}:\n{got}\n{expected}"
