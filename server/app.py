@@ -41,7 +41,7 @@ from .serving_embeddings import EmbeddingServing
 from .settings import Settings, device_default
 from .speculation import SpeculativeConfig, Speculator
 from .draft_model import DraftModel, vocabulary_mismatch
-from .worker import Worker, WorkerPool
+from .worker import Worker, WorkerPool, freeze_heap
 from .engine_process import EngineClient
 from .engine_wire import ServedModel
 
@@ -227,7 +227,9 @@ async def _load_engine_process(settings: Settings, on_failure: Callable[[str], N
     client = EngineClient(settings, on_failure)
     served = await _in_own_thread(client.wait_ready, lambda _: client.stop(), client.kill)
     log.info("the engine runs in process %d beside this one (the HTTP server's)", client.pid)
-    return model_state(settings, served, client)
+    state = model_state(settings, served, client)
+    freeze_heap()  # this process's own heap: torch, the tokenizer, the app (the engine process froze its own)
+    return state
 
 
 async def _load_in_background(app: FastAPI, settings: Settings) -> None:

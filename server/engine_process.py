@@ -12,6 +12,7 @@ scheduler step's events (one message for all its streams), stats and failures th
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 import multiprocessing
@@ -114,6 +115,7 @@ class EngineClient:
         if self._reader is not None:
             self._reader.join(STOP_TIMEOUT_S)
         self._conn.close()
+        gc.unfreeze()  # frozen once serving started (server/app.py), as WorkerPool.stop undoes its own
 
     # ---- the pool's interface ----
     def submit(self, sub: Generation | EmbeddingJob) -> None:

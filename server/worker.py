@@ -37,6 +37,16 @@ def queue_full_error(waiting: int) -> APIError:
                     code="queue_full", headers={"Retry-After": RETRY_AFTER_S})
 
 
+def freeze_heap() -> None:
+    """Leave what is alive now to the end of serving (`gc.unfreeze()` when it stops).
+
+    What is alive when serving starts (torch, the model, the tokenizer: a few hundred thousand objects) lives as
+    long as the server. Left to the collector, each full collection walks all of it with the GIL held, a stall of
+    every stream (bench/RESULTS.md, issue 13); frozen, the collector looks only at what came since."""
+    gc.collect()
+    gc.freeze()
+
+
 class WorkerBroken(Exception):
     """Raised on a worker's thread when it stops serving for good."""
 
@@ -173,11 +183,7 @@ class WorkerPool:
         self.workers, self.max_queued = workers, max_queued
 
     def start(self) -> None:
-        # What is alive when serving starts (torch, the model, the tokenizer: a few hundred thousand objects) lives
-        # as long as the server. Left to the collector, each full collection walks all of it with the GIL held, a
-        # stall of every stream (bench/RESULTS.md, issue 13); frozen, the collector looks only at what came since.
-        gc.collect()
-        gc.freeze()
+        freeze_heap()
         for w in self.workers:
             w.start()
 
