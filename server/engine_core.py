@@ -129,19 +129,18 @@ class _EngineSide:
             if gid not in self._compiling:
                 return  # cancelled while its grammar compiled
             self._compiling.discard(gid)
-            self._register(gid, sub)
-        self._submit(state.pool, gid, sub, registered=True)
+            self._register(gid, sub)  # before a cancellation can look for it
+        self._submit(state.pool, gid, sub)
 
     def _register(self, gid: int, sub: Submission | GenerationFailed) -> None:
         if not isinstance(sub, GenerationFailed):
             self._subs[gid], self._id_of[sub] = sub, gid
 
-    def _submit(self, pool: Any, gid: int, sub: Submission | GenerationFailed, registered: bool = False) -> None:
+    def _submit(self, pool: Any, gid: int, sub: Submission | GenerationFailed) -> None:
         if isinstance(sub, GenerationFailed):
             self.send(("events", [(gid, sub)]))
             return
-        if not registered:
-            self._register(gid, sub)
+        self._register(gid, sub)  # again, where _compile_and_submit did: the same entries
         try:
             pool.submit(sub)
         except APIError as e:  # the pool's own limits (the HTTP side checks them first, so a race)

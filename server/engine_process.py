@@ -25,7 +25,7 @@ from typing import Any
 from .embedding_jobs import EmbeddingJob
 from .engine_core import serve_engine
 from .engine_wire import GENERATION_FIELDS, JOB_FIELDS, ServedModel, decode_event, is_final
-from .generation import Generation, GenerationFailed, Submission
+from .generation import Generation, GenerationFailed, Submission, hand_over
 from .settings import Settings
 from .worker import queue_full_error, worker_failed_error
 
@@ -36,16 +36,12 @@ BACKLOG_POLL_S = 0.05    # how often a paused reader's backlog is looked at agai
 ENGINE_GONE = "the engine process stopped; the server is restarting"
 
 
-def _deliver(batch: list[tuple[Submission, Any]]) -> None:
-    for sub, event in batch:
-        sub.channel.put_nowait((sub, event))
-
 class EngineClient:
     """The HTTP process's handle on the engine process: `submit`, `stats`, `failure`, `stop` as `WorkerPool`'s.
 
     Made on the event loop, it starts the process; `wait_ready` (blocking: on a thread) waits for its model and
-    returns what the HTTP side serves from. `on_failure(reason)` is told, from the reader thread, when the engine stops serving (a
-    worker failed, or the process died); every request it held then fails with a 500.
+    returns what the HTTP side serves from. `on_failure(reason)` is told, from the reader thread, when the engine
+    stops serving (a worker failed, or the process died); every request it held then fails with a 500.
     """
 
     def __init__(self, settings: Settings, on_failure: Callable[[str], None] | None = None) -> None:
@@ -234,7 +230,7 @@ class EngineClient:
             by_loop.setdefault(sub.loop, []).append((sub, event))
         for loop, batch in by_loop.items():
             with suppress(RuntimeError):  # a closed event loop: nobody waits there any more
-                loop.call_soon_threadsafe(_deliver, batch)
+                hand_over(loop, batch)
         for gid, count in arrived.items():  # a reader this far behind: the engine waits for it (max_backlog)
             sub = self._live.get(gid)
             limit = getattr(sub, "max_backlog", None)
@@ -259,4 +255,4 @@ class EngineClient:
                 sub = self._forget(gid)
                 if sub is not None:
                     with suppress(RuntimeError):  # its event loop has closed: nobody waits there any more
-                        sub.loop.call_soon_threadsafe(_deliver, [(sub, GenerationFailed(500, ENGINE_GONE))])
+                        hand_over(sub.loop, [(sub, GenerationFailed(500, ENGINE_GONE))])

@@ -3,14 +3,15 @@ model's facts, submissions as dicts of their fields, and events, the frequent Ch
 tenth of a pickled dataclass's bytes, and cheaper both ways)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
 from engine.tokenizer import Tokenizer
 
-from .generation import ChoiceDelta, PromptLogprobs, TokenLogprob
+from .embedding_jobs import EmbeddingJob
+from .generation import ChoiceDelta, Generation, PromptLogprobs, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -47,9 +48,11 @@ class ServedModel:
                    dict(runner.generation_defaults), runner.tokenizer, blocks)
 
 
-GENERATION_FIELDS = ("prompt_ids", "params", "max_tokens", "n", "stop", "stop_token_ids", "min_tokens", "ignore_eos",
-                      "prompt_logprobs", "request_id", "prompt_index", "max_backlog", "stream_interval", "arrival")
-JOB_FIELDS = ("inputs", "pooling", "request_id", "arrival")
+# What stays in its process: the asyncio side, the event sink, the cancellation hook and flag; and the compiled
+# grammar, whose matcher cannot travel (its spec does, compiled again in the engine process).
+_LOCAL_FIELDS = {"loop", "channel", "sink", "on_cancel", "_cancelled", "grammar"}
+GENERATION_FIELDS = tuple(f.name for f in fields(Generation) if f.name not in _LOCAL_FIELDS)
+JOB_FIELDS = tuple(f.name for f in fields(EmbeddingJob) if f.name not in _LOCAL_FIELDS)
 
 
 def encode_event(event: Any) -> Any:

@@ -80,10 +80,7 @@ class Submission:
 
     def emit(self, event: Any) -> None:
         """Send an event to the asyncio side; safe to call from the worker thread."""
-        if self.sink is not None:
-            self.sink.deliver([(self, event)])
-        else:
-            self.loop.call_soon_threadsafe(self.channel.put_nowait, (self, event))
+        hand_over(self.sink or self.loop, [(self, event)])
 
     def cancel(self) -> None:
         """Ask the worker to drop this at its next step (idempotent, any thread)."""
@@ -151,9 +148,18 @@ class EventSink(Protocol):
     def backlogged(self, gen: Generation) -> bool: ...
 
 
-def _deliver(batch: list[tuple[Generation, Event]]) -> None:
-    for gen, event in batch:
-        gen.channel.put_nowait((gen, event))
+def _deliver(batch: list[tuple[Submission, Any]]) -> None:
+    for sub, event in batch:
+        sub.channel.put_nowait((sub, event))
+
+
+def hand_over(target: asyncio.AbstractEventLoop | EventSink, batch: list[tuple[Submission, Any]]) -> None:
+    """Events to their submissions' channels on event loop `target` (one wake-up for the batch; any thread), or
+    to the sink `target`."""
+    if isinstance(target, asyncio.AbstractEventLoop):
+        target.call_soon_threadsafe(_deliver, batch)
+    else:
+        target.deliver(batch)
 
 
 class EventBatch:
@@ -175,7 +181,4 @@ class EventBatch:
             by_loop.setdefault(gen.sink or gen.loop, []).append((gen, event))
         self._events = []
         for target, batch in by_loop.items():
-            if isinstance(target, asyncio.AbstractEventLoop):
-                target.call_soon_threadsafe(_deliver, batch)
-            else:
-                target.deliver(batch)
+            hand_over(target, batch)
