@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import random
+import resource
 import shlex
 import shutil
 import socket
@@ -265,6 +266,53 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo += children.get(p, [])
+    return tree
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of every thread of `pid`'s process tree, keyed "pid/tid"."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for p in _process_tree(pid):
+        for stat in Path(f"/proc/{p}/task").glob("*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            out[f"{p}/{stat.parent.name}"] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def cpu_use(before: dict[str, float], after: dict[str, float], wall: float, server_pid: int) -> dict[str, Any]:
+    """Cores each process of the server used over `wall` seconds, with its busiest threads: where a scenario's
+    host time went (the HTTP process is the server's own pid, the engine process its child)."""
+    procs: dict[str, dict[str, Any]] = {}
+    for key, t in after.items():
+        pid, tid = key.split("/")
+        used = t - before.get(key, 0.0)
+        proc = procs.setdefault(pid, {"cores": 0.0, "threads": []})
+        proc["cores"] += used / wall
+        proc["threads"].append(round(used / wall, 3) if tid != pid else f"main {used / wall:.3f}")
+    for proc in procs.values():
+        proc["cores"] = round(proc["cores"], 3)
+        proc["threads"] = sorted(proc["threads"], key=lambda x: -float(str(x).split()[-1]))[:5]
+    return {("http" if pid == str(server_pid) else f"child {pid}"): v for pid, v in procs.items() if v["cores"] > 0.01}
+
+
 def server_part(model: ModelDir, shape: Shape, args: argparse.Namespace, extra: str, budget: Budget,
                 work: Path) -> dict:
     """Start the real server on the model directory (with the `serve` flags `extra`) and stream completions at
@@ -301,7 +349,7 @@ def server_part(model: ModelDir, shape: Shape, args: argparse.Namespace, extra: 
             time.sleep(0.5)
         result["startup_s"] = round(time.monotonic() - t0, 1)
         log(f"  server ready after {result['startup_s']}s")
-        result["scenarios"] = asyncio.run(_load(serve, base, shape, args, budget))
+        result["scenarios"] = asyncio.run(_load(serve, base, shape, args, budget, proc.pid))
         return result
     finally:
         proc.terminate()
@@ -313,7 +361,8 @@ def server_part(model: ModelDir, shape: Shape, args: argparse.Namespace, extra: 
         result["log_tail"] = log_path.read_text(errors="replace")[-1500:] or None
 
 
-async def _load(serve: Any, base: str, shape: Shape, args: argparse.Namespace, budget: Budget) -> list[dict]:
+async def _load(serve: Any, base: str, shape: Shape, args: argparse.Namespace, budget: Budget,
+                server_pid: int) -> list[dict]:
     limits = httpx.Limits(max_connections=max(args.server_concurrency) + 2)
     rows: list[dict] = []
     async with httpx.AsyncClient(base_url=base, timeout=max(30.0, budget.left()), limits=limits) as client:
@@ -332,6 +381,7 @@ async def _load(serve: Any, base: str, shape: Shape, args: argparse.Namespace, b
             prompts = [random_ids(args.server_prompt_tokens, shape.vocab, rng) for _ in range(n)]
             warmup = random_ids(args.server_prompt_tokens, shape.vocab, rng) if i == 0 else ""
             t0 = time.monotonic()
+            cpu0, clients0 = thread_cpu(server_pid), resource.getrusage(resource.RUSAGE_CHILDREN)
             processes = args.client_processes or max(1, c // 16)
             if processes > 1:
                 if warmup:
@@ -343,9 +393,13 @@ async def _load(serve: Any, base: str, shape: Shape, args: argparse.Namespace, b
                 row, _ = await bench.scenario(f"c{c}", args.server_prompt_tokens, prompts.__getitem__, len(prompts),
                                               c, args.server_max_tokens, warmup)
             last, last_c = time.monotonic() - t0, c
+            clients1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            row["cpu_cores"] = cpu_use(cpu0, thread_cpu(server_pid), last, server_pid) | {
+                "clients": round((clients1.ru_utime + clients1.ru_stime - clients0.ru_utime - clients0.ru_stime)
+                                 / last, 3)}
             rows.append(row)
             log(f"  server concurrency {c}: {row['output_tok_s']} output tok/s, TTFT p50 {row['ttft_p50_ms']} ms, "
-                f"ITL p50 {row['itl_p50_ms']} ms, {row['errors']} errors")
+                f"ITL p50 {row['itl_p50_ms']} ms, {row['errors']} errors; cores used {row['cpu_cores']}")
     return rows
 
 
