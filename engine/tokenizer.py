@@ -455,15 +455,23 @@ class IncrementalDetokenizer:
         self._skip = tokenizer.special_token_ids if skip_special_tokens else frozenset()
         self._pending = b""
         self._strip = tokenizer._strip_leading_space  # SentencePiece's prefix space, dropped once at the start
+        self._token_bytes = tokenizer.token_bytes
 
     def push(self, token_id: int) -> str:
         """Newly completed text; bytes of a character that is not complete yet are held back."""
         if token_id in self._skip:
             return ""
-        buf = self._pending + self._tokenizer.token_bytes(token_id)
-        cut = _complete_prefix(buf)
-        self._pending = buf[cut:]
-        return self._emit(buf[:cut].decode("utf-8", errors="replace"))
+        buf = self._token_bytes(token_id)
+        if self._pending:
+            buf = self._pending + buf
+        # Called per generated token: most end on an ASCII byte, which leaves no character incomplete.
+        if buf and buf[-1] >= 0x80 and (cut := _complete_prefix(buf)) < len(buf):
+            self._pending = buf[cut:]
+            buf = buf[:cut]
+        else:
+            self._pending = b""
+        text = buf.decode("utf-8", errors="replace")
+        return self._emit(text) if self._strip else text
 
     def flush(self) -> str:
         """What is still held back, with incomplete bytes decoded as U+FFFD."""

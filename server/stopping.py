@@ -20,8 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 __all__ = ["Detokenizer", "StopChecker", "StopUpdate"]
 
@@ -34,9 +33,9 @@ class Detokenizer(Protocol):
     def flush(self) -> str: ...
 
 
-@dataclass(frozen=True)
-class StopUpdate:
-    """The outcome of one generated token."""
+class StopUpdate(NamedTuple):
+    """The outcome of one generated token. A NamedTuple: one is made per token, and a frozen dataclass costs
+    several times as much to build."""
 
     text: str  # text that is now safe to send (may be "")
     finish_reason: str | None  # None while generating; "stop" (end token or stop string) or "length" (max_tokens)
@@ -107,6 +106,10 @@ class StopChecker:
         self._state = 0
         self._stop_token_ids = frozenset(stop_token_ids)
         self._max_tokens, self._min_tokens, self._ignore_eos = max_tokens, min_tokens, ignore_eos
+        # What `push` checks before the full rules (`_token_end`): only these ids, or reaching this many tokens,
+        # can end the choice by the token itself, so every other token skips them.
+        self._end_ids = frozenset() if ignore_eos else self._stop_token_ids
+        self._token_limit = max_tokens if max_tokens is not None else float("inf")
         self._held = ""  # decoded text not sent yet: it may be the start of a stop string
         self._sent: list[str] = []
         self._num_tokens = 0
@@ -131,11 +134,12 @@ class StopChecker:
     def ends_at(self, token_id: int) -> bool:
         """Whether `push(token_id)`, next, finishes the choice by the token itself (an end token, max_tokens),
         before any text is looked at: a stop string may still finish it where this says False."""
-        return self._token_end(token_id, self._num_tokens + 1) is not None
+        n = self._num_tokens + 1
+        return (token_id in self._end_ids or n >= self._token_limit) and self._token_end(token_id, n) is not None
 
     def ends_next(self) -> bool:
         """Whether the next token pushed finishes the choice, whatever it is (max_tokens)."""
-        return self._reaches_max_tokens(self._num_tokens + 1)
+        return self._num_tokens + 1 >= self._token_limit
 
     def _reaches_max_tokens(self, num_tokens: int) -> bool:
         return self._max_tokens is not None and num_tokens >= self._max_tokens
@@ -151,9 +155,16 @@ class StopChecker:
         """Take one generated token; what to send now, and whether (and why) the choice has finished."""
         if self._finished:
             raise RuntimeError("StopChecker.push after the choice finished")
-        self._num_tokens += 1
-        active = self._num_tokens > self._min_tokens
-        finish = self._token_end(token_id, self._num_tokens)
+        n = self._num_tokens = self._num_tokens + 1
+        if token_id not in self._end_ids and n < self._token_limit:  # the common token: it cannot end the choice
+            new = self._detokenizer.push(token_id)
+            if self._automaton is None:  # no stop strings: all of it is safe to send
+                if new:
+                    self._sent.append(new)
+                return StopUpdate(new, None)
+            return self._advance(new, n > self._min_tokens, finish=None)
+        active = n > self._min_tokens
+        finish = self._token_end(token_id, n)
         if finish is not None and finish[0] == "stop":  # an end token: its own text is not sent
             return self._advance(self._detokenizer.flush(), active, finish=finish)
         new = self._detokenizer.push(token_id)
