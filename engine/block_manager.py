@@ -87,8 +87,12 @@ class BlockManager:
     def can_allocate(self, seq: KVSequence, total_tokens: int, reserve: int = 0) -> bool:
         table, bs = seq.block_table, self.block_size
         first = seq.num_computed // bs
-        if total_tokens <= len(table) * bs and first == (total_tokens - 1) // bs and not self._shared(table[first]):
-            return reserve <= self.num_free  # the common decode step (as in `allocate`): nothing to take
+        # The common decode step takes nothing: the write lands in one private block the sequence holds (not
+        # `_shared`, inlined, as is `num_free`: this runs for every row of every step).
+        if first == (total_tokens - 1) // bs and first < len(table):
+            block = table[first]
+            if self.refcount[block] <= 1 and block not in self._hash_of:
+                return reserve <= len(self._free) + len(self._evictable)
         return self.blocks_needed(seq, total_tokens) + reserve <= self.num_free
 
     def _pop_free(self) -> int:
@@ -127,8 +131,10 @@ class BlockManager:
         pairs wait in `take_copies` for the cache to copy). All or nothing."""
         bs, table = self.block_size, seq.block_table
         first = (seq.num_computed if start is None else start) // bs
-        if total_tokens <= len(table) * bs and first == (total_tokens - 1) // bs and not self._shared(table[first]):
-            return  # the common decode step: one private block already holds the write
+        if first == (total_tokens - 1) // bs and first < len(table):  # as in `can_allocate`: the decode step
+            block = table[first]
+            if self.refcount[block] <= 1 and block not in self._hash_of:
+                return
         need = self.blocks_needed(seq, total_tokens, start)
         if need > self.num_free:
             raise NoFreeBlocks(f"KV cache full: {need} blocks needed, {self.num_free} free of {self.num_blocks}")
