@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from .batch import ForwardBatch, StepRow, TokenFeed
@@ -67,15 +68,19 @@ class StepStaging:
         n = len(rows)
         if n > self.rows:
             raise ValueError(f"{n} rows do not fit a bucket of {self.rows}")
-        # Whole columns at once: one numpy assignment each rather than a scalar store per row.
-        self._ids[:n] = [seq.tokens[p] for seq, p, _, _ in rows]
-        self._pos[:n] = [p for _, p, _, _ in rows]
-        self._slots[:n] = [seq.block_table[p // block_size] * block_size + p % block_size for seq, p, _, _ in rows]
-        self._lens[:n] = [end for _, _, end, _ in rows]
-        tables = self._tables
-        for i, (seq, _, end, _) in enumerate(rows):
-            blocks = -(-end // block_size)
-            tables[i, :blocks] = seq.block_table[:blocks]
+        # Whole columns at once: one numpy assignment each rather than a scalar store per row; what numpy can
+        # work out from the columns (the slots, from the tables) it does, not a Python loop over the rows.
+        if n:
+            seqs, positions, ends, _ = zip(*rows)
+            self._ids[:n] = [seq.tokens[p] for seq, p in zip(seqs, positions)]
+            self._pos[:n] = positions
+            self._lens[:n] = ends
+            tables = self._tables
+            for i, seq, end in zip(range(n), seqs, ends):
+                table, blocks = seq.block_table, -(-end // block_size)
+                tables[i, :blocks] = table if len(table) == blocks else table[:blocks]  # no copy where it can
+            pos = self._pos[:n]
+            self._slots[:n] = tables[np.arange(n), pos // block_size] * block_size + pos % block_size
         self._ids[n:] = 0
         self._pos[n:] = 0
         self._slots[n:] = self.trash_slot
