@@ -30,12 +30,12 @@ from engine.errors import RowError
 from .device_tokens import DeviceTokens, TokenLanding, sample_greedy_on_device
 from .embedding_jobs import EmbeddingJob, EmbeddingSteps
 from .generation import ChoiceDelta, EventBatch, Generation, GenerationDone, GenerationFailed, PromptLogprobs, \
-    TokenLogprob, merged
+    TokenLogprob
 from .grammar import GrammarMatcher, fill_bitmasks, fill_draft_bitmasks
 from .sampling import SequenceSampler, sample_batch
 from .speculation import Speculator
 from .speculative_sampling import DraftCheck, Proposal, verify_drafts
-from .stopping import StopChecker, StopUpdate
+from .stopping import StopChecker
 from .token_bitmask import allocate_bitmask
 
 log = logging.getLogger("emberserve.scheduler")
@@ -53,6 +53,21 @@ def auto_stream_interval(running: int) -> int:
 
 
 @dataclass(eq=False)
+class HeldOutput:
+    """A choice's output not sent yet (gathered up to its generation's stream_interval), kept as its parts: one
+    ChoiceDelta is made when it goes, rather than one a token and their merge."""
+
+    text: list[str] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    at: float = 0.0  # when its last token was made
+
+    def delta(self, choice: int | None, logprobs: bool) -> ChoiceDelta:
+        """All of it as one delta (the last token's time, no finish)."""
+        return ChoiceDelta(choice, "".join(self.text), self.tokens, self.logprobs if logprobs else None, at=self.at)
+
+
+@dataclass(eq=False)
 class Unit:
     """A sequence the scheduler runs: a Generation's prompt (choice None) or one of its choices."""
 
@@ -65,15 +80,21 @@ class Unit:
     # the generated tokens too.
     matcher: GrammarMatcher | None = None
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
-    # The choice's deltas not sent yet (gathered up to its generation's stream_interval).
-    held: list[ChoiceDelta] = field(default_factory=list)
+    held: HeldOutput = field(default_factory=HeldOutput)
     # Out of the batch for good (its blocks freed): a row of it in a step already launched is dropped.
     finished: bool = False
+    # What the generation asks that the unit's every step looks at, fixed once here rather than read through
+    # `gen` per token: a prompt whose every position's logprob is asked for (echo with logprobs); each token's
+    # logprobs; end tokens kept from being sampled until min_tokens.
+    wants_prompt_logprobs: bool = field(init=False)
+    wants_logprobs: bool = field(init=False)
+    suppresses_early_ends: bool = field(init=False)
 
-    @property
-    def wants_prompt_logprobs(self) -> bool:
-        """A prompt whose every position's logprob is asked for (echo with logprobs)."""
-        return self.choice is None and self.gen.prompt_logprobs is not None
+    def __post_init__(self) -> None:
+        gen = self.gen
+        self.wants_prompt_logprobs = self.choice is None and gen.prompt_logprobs is not None
+        self.wants_logprobs = bool(gen.params.logprobs)
+        self.suppresses_early_ends = gen.min_tokens > 0 and not gen.ignore_eos
 
     @property
     def slots(self) -> int:
@@ -212,9 +233,9 @@ class Scheduler:
         self._hand_on_pending()
         failing = set(gens)
         for unit in self.running + list(self.waiting):
-            if unit.held and unit.gen in failing:
-                self.events.emit(unit.gen, merged(unit.held))
-                unit.held = []
+            if unit.held.tokens and unit.gen in failing:
+                self.events.emit(unit.gen, unit.held.delta(unit.choice, unit.wants_logprobs))
+                unit.held = HeldOutput()
         self.events.flush()
         for gen in dict.fromkeys(gens):
             if gen in self._gens:
@@ -248,60 +269,70 @@ class Scheduler:
         return False
 
     # ---- one step ----
-    def _running_order(self) -> list[Unit]:
+    def _running_order(self) -> tuple[list[Unit], int]:
         """Decoding sequences first (the budget holds one token of each), then prompts still being prefilled,
-        oldest first, with what is left of it."""
-        return ([u for u in self.running if u.kv.num_pending <= 1]
-                + [u for u in self.running if u.kv.num_pending > 1])
+        oldest first, with what is left of it; and how many decode."""
+        decoding, prefilling = [], []
+        for u in self.running:
+            (decoding if len(u.kv.tokens) - u.kv.num_computed <= 1 else prefilling).append(u)
+        return decoding + prefilling, len(decoding)
 
     def _refused(self, unit: Unit, take: int) -> bool:
         """Fail the unit's generation if the runner would refuse its next row (before blocks are spent on it)."""
         error = self.runner.row_error(unit.kv, unit.kv.num_computed, unit.kv.num_computed + take)
         if error is not None:
-            log.warning("%s: %s", unit.gen.request_id, error)
-            self.fail([unit.gen], 400, error, "context_length_exceeded" if "context" in error else None)
+            self._refuse(unit, error)
         return error is not None
+
+    def _refuse(self, unit: Unit, error: str) -> None:
+        log.warning("%s: %s", unit.gen.request_id, error)
+        self.fail([unit.gen], 400, error, "context_length_exceeded" if "context" in error else None)
 
     def _schedule(self) -> list[Unit]:
         """Pick this step's units and give each the blocks it needs; a unit computes min(pending, budget) tokens."""
         blocks, budget, chosen = self.runner.blocks, self.max_batched_tokens, []
         self._take, self._drafts = {}, {}
         proposals = self._propose()
-        order = self._running_order()
+        order, decoding = self._running_order()
         # Drafts take the budget's tokens beyond one for every decoding sequence.
-        spare = budget - sum(1 for u in order if u.kv.num_pending <= 1)
+        spare = budget - decoding
         running = set(self.running)  # membership in O(1): preemption and failures take units out as we go
         inflight = self._inflight
-        for unit in order:
+        row_error = self.runner.row_error
+        for unit in order:  # every running sequence, every step: what is read more than once is read once
             if unit not in running or budget <= 0 or unit.gen.backlogged:
                 continue  # preempted or failed meanwhile, out of budget, or paused: its reader is far behind
             if inflight is not None and unit in inflight.index and unit.stopper.ends_next():
                 continue  # its token on the way is its last (max_tokens): no row for what would follow
-            take = min(unit.kv.num_pending, budget)
-            if self._refused(unit, take):
+            kv = unit.kv
+            start = kv.num_computed
+            take = min(len(kv.tokens) - start, budget)
+            error = row_error(kv, start, start + take)
+            if error is not None:
+                self._refuse(unit, error)
                 running = set(self.running)
                 continue
-            proposal = proposals.get(unit)
+            proposal = proposals.get(unit) if proposals else None
             drafts = proposal.cut(max(0, min(spare, budget - take))) if proposal is not None else None
             # Speculation never preempts: drafts go only where their blocks are free beside one for each sequence.
             if drafts and drafts.tokens and blocks.can_allocate(
-                    unit.kv, unit.kv.num_computed + take + len(drafts.tokens), reserve=len(self.running)):
+                    kv, start + take + len(drafts.tokens), reserve=len(self.running)):
                 take += len(drafts.tokens)
                 spare -= len(drafts.tokens)
             else:
                 drafts = None
-            fits = blocks.can_allocate(unit.kv, unit.kv.num_computed + take)
+            fits = blocks.can_allocate(kv, start + take)
             while not fits and self._preempt_newest(unit, self._take):
                 running = set(self.running)
-                fits = blocks.can_allocate(unit.kv, unit.kv.num_computed + take)
+                fits = blocks.can_allocate(kv, start + take)
             if not fits:
                 self.running.remove(unit)  # even alone it does not fit now: wait for blocks
-                self.runner.free_sequence(unit.kv)
+                self.runner.free_sequence(kv)
                 self.waiting.appendleft(unit)
                 continue
-            blocks.allocate(unit.kv, unit.kv.num_computed + take)
+            blocks.allocate(kv, start + take)
             if drafts is not None:
-                unit.kv.tokens.extend(drafts.tokens)
+                kv.tokens.extend(drafts.tokens)
                 self._drafts[unit] = drafts
             self._take[unit] = take
             chosen.append(unit)
@@ -370,12 +401,14 @@ class Scheduler:
         return spec.propose(rows)  # type: ignore[return-value]
 
     def _rows(self, units: list[Unit]) -> list[StepRow]:
-        rows = []
+        rows, take, drafts = [], self._take, self._drafts
         for unit in units:
-            kv, end = unit.kv, unit.kv.num_computed + self._take[unit]
-            logits = "all" if unit.wants_prompt_logprobs or unit in self._drafts else \
+            kv = unit.kv
+            start = kv.num_computed
+            end = start + take[unit]
+            logits = "all" if unit.wants_prompt_logprobs or (drafts and unit in drafts) else \
                 "last" if end == len(kv.tokens) else "none"
-            rows.append(StepRow(kv, kv.num_computed, end, logits))
+            rows.append(StepRow(kv, start, end, logits))
         return rows
 
     def _forward(self, units: list[Unit]) -> tuple[list[Unit], list[StepRow], torch.Tensor] | None:
@@ -430,9 +463,15 @@ class Scheduler:
         speculated: list[tuple[Unit, StepRow, int]] = []  # units that drafted, and their first row of `logits`
         offset = 0
         for unit, row in zip(units, rows):
+            if row.logits == "last":  # the common row, a sequence's next token (never a draft's: those are "all")
+                offset += 1
+                # Not finished by a stop string after this step was launched (its row is then dropped).
+                if not unit.finished and row.end == len(unit.kv.tokens):
+                    finished.append((unit, offset - 1))
+                continue
             if row.logits == "none":
                 continue
-            n = row.end - row.start if row.logits == "all" else 1
+            n = row.end - row.start
             if unit.finished:  # a stop string ended it after this step was launched: its row is dropped
                 offset += n
                 continue
@@ -440,8 +479,7 @@ class Scheduler:
                 speculated.append((unit, row, offset))
                 offset += n
                 continue
-            if row.logits == "all":
-                self._collect_prompt_logprobs(unit, row, logits[offset:offset + n])
+            self._collect_prompt_logprobs(unit, row, logits[offset:offset + n])
             offset += n
             if row.end == len(unit.kv.tokens):
                 finished.append((unit, offset - 1))
@@ -530,7 +568,9 @@ class Scheduler:
         if not todo:
             return
         for unit in todo:
-            if unit.stopper.num_tokens < unit.gen.min_tokens and not unit.gen.ignore_eos:
+            if not unit.suppresses_early_ends:  # then `suppressed` is never set
+                continue
+            if unit.stopper.num_tokens < unit.gen.min_tokens:
                 unit.sampler.suppressed = self._end_ids(unit.gen)
             elif unit.sampler.suppressed is not None:
                 unit.sampler.suppressed = None
@@ -701,32 +741,43 @@ class Scheduler:
     def _hand_on(self, unit: Unit, token: int, logprob: float | None, top: list[tuple[int, float]] | None,
                  append: bool) -> bool:
         """The token's text and stops, its event, and the unit's end if it finished; whether the unit goes on."""
-        gen, state = unit.gen, self._gens[unit.gen]
-        update = unit.stopper.push(token)
-        if update.finish_reason is None and unit.matcher is not None:
+        gen, stopper = unit.gen, unit.stopper
+        text, finish, stop_reason = stopper.push(token)
+        if finish is None and unit.matcher is not None:
             if not unit.matcher.advance(token):  # the mask allowed it: a grammar engine failure
                 log.error("%s: the grammar refused token %d: %s", gen.request_id, token, unit.matcher.error)
                 self.fail([gen], 500, "the output's grammar failed")
                 return False
             if unit.matcher.is_stopped:  # the output is complete: nothing but an end token could follow
-                end = unit.stopper.end()
-                update = StopUpdate(update.text + end.text, end.finish_reason)
-        logprobs = [TokenLogprob(token, logprob, top or [])] if gen.params.logprobs else None
-        delta = ChoiceDelta(unit.choice, update.text, [token], logprobs, update.finish_reason, update.stop_reason)
+                end = stopper.end()
+                text, finish = text + end.text, end.finish_reason
+        entry = TokenLogprob(token, logprob, top or []) if unit.wants_logprobs else None
         interval = gen.stream_interval or self._auto_interval
-        if update.finish_reason is None and interval > 1 and unit.stopper.num_tokens > 1 \
-                and len(unit.held) + 1 < interval:
-            unit.held.append(delta)  # the first token goes at once (TTFT); then every stream_interval-th
+        held = unit.held
+        if finish is None and interval > 1 and len(held.tokens) + 1 < interval and stopper.num_tokens > 1:
+            # The first token goes at once (TTFT); then every stream_interval-th, with those held since.
+            held.text.append(text)
+            held.tokens.append(token)
+            if entry is not None:
+                held.logprobs.append(entry)
+            held.at = time.perf_counter()
         else:
-            if unit.held:
-                unit.held.append(delta)
-                delta, unit.held = merged(unit.held), []
-            self.events.emit(gen, delta)
-        if update.finish_reason is None:
+            if held.tokens:
+                text, tokens, logprobs = "".join(held.text) + text, held.tokens, held.logprobs
+                tokens.append(token)
+                unit.held = HeldOutput()
+            else:
+                tokens, logprobs = [token], []
+            if entry is not None:
+                logprobs.append(entry)
+            self.events.emit(gen, ChoiceDelta(unit.choice, text, tokens, logprobs if entry is not None else None,
+                                              finish, stop_reason))
+        if finish is None:
             if append:
                 unit.kv.tokens.append(token)
             return True
-        state.completion_tokens += unit.stopper.num_tokens
+        state = self._gens[gen]
+        state.completion_tokens += stopper.num_tokens
         if not unit.finished:
             self._leave(unit)
         state.open_choices -= 1
