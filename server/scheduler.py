@@ -583,10 +583,11 @@ class Scheduler:
                 self._launched(todo, tokens)
                 return
         sampled = sample_batch(rows, [u.sampler for u in todo], self._grammar_masks(todo, early))
+        gens, defer_text = self._gens, self.defer_text
         for unit, s in zip(todo, sampled):
-            if unit.gen not in self._gens:  # failed by a choice before it
+            if unit.gen not in gens:  # failed by a choice before it
                 continue
-            if self.defer_text and unit.matcher is None:  # a grammar's next mask needs the token's whole effect
+            if defer_text and unit.matcher is None:  # a grammar's next mask needs the token's whole effect
                 self._take_token(unit, s.token)
                 self._pending.append((unit, s.token, s.logprob, s.top_logprobs))
                 self._pending_interval = self._auto_interval
@@ -763,15 +764,16 @@ class Scheduler:
             held.at = time.perf_counter()
         else:
             if held.tokens:
-                text, tokens, logprobs = "".join(held.text) + text, held.tokens, held.logprobs
+                text, tokens = "".join(held.text) + text, held.tokens
                 tokens.append(token)
+                logprobs = None
+                if entry is not None:
+                    logprobs = held.logprobs
+                    logprobs.append(entry)
                 unit.held = HeldOutput()
             else:
-                tokens, logprobs = [token], []
-            if entry is not None:
-                logprobs.append(entry)
-            self.events.emit(gen, ChoiceDelta(unit.choice, text, tokens, logprobs if entry is not None else None,
-                                              finish, stop_reason))
+                tokens, logprobs = [token], None if entry is None else [entry]
+            self.events.emit(gen, ChoiceDelta(unit.choice, text, tokens, logprobs, finish, stop_reason))
         if finish is None:
             if append:
                 unit.kv.tokens.append(token)
