@@ -226,6 +226,7 @@ async def _load_engine_process(settings: Settings, on_failure: Callable[[str], N
     """Start the engine process (server/engine_process.py) and serve from it once its model is loaded."""
     client = EngineClient(settings, on_failure)
     served = await _in_own_thread(client.wait_ready, lambda _: client.stop(), client.kill)
+    await client.attach()
     log.info("the engine runs in process %d beside this one (the HTTP server's)", client.pid)
     state = model_state(settings, served, client)
     freeze_heap()  # this process's own heap: torch, the tokenizer, the app (the engine process froze its own)

@@ -18,12 +18,11 @@ from typing import Any
 
 from fastapi import Request
 from pydantic import ValidationError
-from starlette.concurrency import run_in_threadpool
 
 from .errors import APIError, error_param, internal_error, invalid
 from .generation import ChoiceDelta, Generation, GenerationDone
 from .protocol import ChatCompletionRequest
-from .serving import OpenAIServing
+from .serving import OpenAIServing, prompt_work
 from .serving_chat import OutputPlan, chat_prompt_ids, plan_output
 from .sse import event_json
 from .tool_calls import ToolPlan
@@ -127,7 +126,7 @@ class ChatMappedServing(OpenAIServing):
     async def prompt_ids(self, chat: ChatCompletionRequest, tools: ToolPlan | None) -> list[int]:
         """The chat's prompt ids (the chat template with the tools, off the event loop)."""
         with self.own_field_names():
-            return await run_in_threadpool(chat_prompt_ids, self.state, chat.messages, chat.add_generation_prompt,
+            return await prompt_work(chat_prompt_ids, self.state, chat.messages, chat.add_generation_prompt,
                                            tools)
 
     async def start(self, chat: ChatCompletionRequest, rid: str, arrival: float) -> tuple[Generation, ToolPlan | None]:

@@ -7,7 +7,10 @@ requests, writing a few hundred streams) take turns on one GIL, and on a GPU the
 (bench/RESULTS.md, issue 13). Here the engine process runs the model, its scheduler and workers exactly as the
 one-process server does; the HTTP process tokenizes, validates, compiles grammars (to answer a bad one with a
 400) and streams. One duplex pipe joins them: submissions, cancellations and a reader's backlog go one way, each
-scheduler step's events (one message for all its streams), stats and failures the other way.
+scheduler step's events (one message for all its streams), stats and failures the other way. Once the model is
+loaded the HTTP process reads and writes its end on the event loop itself (an asyncio transport, in
+multiprocessing's framing, so that the engine side keeps a plain Connection): a reader and a writer thread there
+cost a GIL hand-off and a wake-up of the loop per step, beside the loop's own work (bench/http_cost.py).
 """
 from __future__ import annotations
 
@@ -16,7 +19,10 @@ import gc
 import itertools
 import logging
 import multiprocessing
-import queue
+import os
+import pickle
+import socket
+import struct
 import threading
 from collections.abc import Callable
 from contextlib import suppress
@@ -33,6 +39,8 @@ log = logging.getLogger("emberserve.engine_process")
 STOP_TIMEOUT_S = 30.0    # for the engine process to stop its workers and exit, then it is killed
 STATS_TIMEOUT_S = 5.0    # for an answer to a stats request; past it, the last answer
 BACKLOG_POLL_S = 0.05    # how often a paused reader's backlog is looked at again
+_SIZE = struct.Struct("!i")      # multiprocessing.Connection's framing: a message's length, then its pickle
+_BIG_SIZE = struct.Struct("!Q")  # after a length of -1, for a message of 2 GiB or more
 ENGINE_GONE = "the engine process stopped; the server is restarting"
 
 
@@ -40,8 +48,9 @@ class EngineClient:
     """The HTTP process's handle on the engine process: `submit`, `stats`, `failure`, `stop` as `WorkerPool`'s.
 
     Made on the event loop, it starts the process; `wait_ready` (blocking: on a thread) waits for its model and
-    returns what the HTTP side serves from. `on_failure(reason)` is told, from the reader thread, when the engine
-    stops serving (a worker failed, or the process died); every request it held then fails with a 500.
+    returns what the HTTP side serves from, then `attach` (on the loop) serves the pipe from the loop.
+    `on_failure(reason)` is told, on the loop, when the engine stops serving (a worker failed, or the process
+    died); every request it held then fails with a 500.
     """
 
     def __init__(self, settings: Settings, on_failure: Callable[[str], None] | None = None) -> None:
@@ -55,24 +64,19 @@ class EngineClient:
         self._process.start()
         child.close()
         self._loop = asyncio.get_running_loop()
-        self._send_lock = threading.Lock()
+        self._loop_thread = threading.get_ident()
+        self._transport: asyncio.Transport | None = None  # the pipe on the loop, once attached
         self._outbox: list[tuple[Any, ...]] = []  # messages for the engine, written together (see `_send`)
         self._flush_scheduled = False
-        # Writes happen on a thread of their own: a burst's batch can be more than the pipe holds, and the event
-        # loop must not wait for the engine process to read it.
-        self._batches: queue.SimpleQueue[list[tuple[Any, ...]] | None] = queue.SimpleQueue()
-        self._writer = threading.Thread(target=self._write_batches, name="engine-writer", daemon=True)
-        self._writer.start()
         self._ids = itertools.count()
         self._live: dict[int, Submission] = {}       # submitted, not ended: by id
         self._id_of: dict[Submission, int] = {}
         self._waiting: set[int] = set()              # submitted, no event yet: queued in the engine
         self._paused: dict[int, Submission] = {}     # told to wait for their reader
+        self._backlog_check: asyncio.TimerHandle | None = None
         self._stats: dict[str, Any] = {}
-        self._stats_reply = threading.Event()
-        self._stats_lock = threading.Lock()
+        self._stats_reply: asyncio.Future[None] | None = None
         self._stopping = False
-        self._reader: threading.Thread | None = None
 
     def wait_ready(self) -> ServedModel:
         """Block until the engine process has loaded the model (ValueError with its reason when it cannot)."""
@@ -84,9 +88,13 @@ class EngineClient:
         if kind == "load_failed":
             self._process.join(STOP_TIMEOUT_S)
             raise ValueError(payload)
-        self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
-        self._reader.start()
         return payload
+
+    async def attach(self) -> None:
+        """Serve the pipe from the event loop from now on (after `wait_ready`)."""
+        sock = socket.socket(fileno=os.dup(self._conn.fileno()))  # the transport's own descriptor
+        self._transport, _ = await self._loop.create_unix_connection(lambda: _EngineProtocol(self), sock=sock)
+        await self.refresh_stats()
 
     @property
     def pid(self) -> int | None:
@@ -98,18 +106,21 @@ class EngineClient:
         self._process.kill()
 
     def stop(self) -> None:
-        """Ask the engine to stop its workers and exit; killed past STOP_TIMEOUT_S."""
+        """Ask the engine to stop its workers and exit; killed past STOP_TIMEOUT_S (blocking: the server's last act)."""
         self._stopping = True
-        self._send(("stop",), now=True)
-        self._batches.put(None)
-        self._writer.join(STOP_TIMEOUT_S)
+        # Written straight to the pipe: the loop does not run while this waits. Whatever the transport still holds
+        # would come first; with a backlog there, the engine is not reading, and is killed below.
+        transport = self._transport
+        if transport is None or transport.get_write_buffer_size() == 0:
+            with suppress(OSError):
+                self._conn.send([("stop",)])
         self._process.join(STOP_TIMEOUT_S)
         if self._process.is_alive():
             log.warning("the engine process did not stop in %.0f s: killed", STOP_TIMEOUT_S)
             self._process.kill()
             self._process.join()
-        if self._reader is not None:
-            self._reader.join(STOP_TIMEOUT_S)
+        if transport is not None:
+            transport.abort()
         self._conn.close()
         gc.unfreeze()  # frozen once serving started (server/app.py), as WorkerPool.stop undoes its own
 
@@ -129,49 +140,45 @@ class EngineClient:
         self._live[gid], self._id_of[sub] = sub, gid
         self._waiting.add(gid)
         sub.on_cancel = self._cancel
-        if self.failure is not None and self._forget(gid) is not None:  # the engine failed since the check above
-            raise worker_failed_error()
         self._send(message)
 
     def stats(self) -> dict[str, Any]:
-        """The engine's `WorkerPool.stats()`, asked for now (the last answer if the engine does not answer)."""
-        with self._stats_lock:
-            self._stats_reply.clear()
-            self._send(("stats",), now=True)
-            self._stats_reply.wait(STATS_TIMEOUT_S)
-            return self._stats
+        """The engine's `WorkerPool.stats()` as of the last `refresh_stats`."""
+        return self._stats
 
-    # ---- the HTTP process's side of the wire ----
-    def _send(self, message: tuple[Any, ...], now: bool = False) -> None:
+    async def refresh_stats(self) -> None:
+        """Ask the engine for its stats now and wait for them (past STATS_TIMEOUT_S, the last answer stays)."""
+        if self._transport is None or self.failure is not None:
+            return
+        if self._stats_reply is None or self._stats_reply.done():
+            self._stats_reply = self._loop.create_future()
+            self._send(("stats",))
+        with suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._stats_reply), STATS_TIMEOUT_S)
+
+    # ---- the HTTP process's side of the wire, all on the event loop ----
+    def _send(self, message: tuple[Any, ...]) -> None:
         """Queue a message for the engine: those of one event-loop turn go in one write, so that a burst of
-        requests costs the engine process one wake-up (and one turn of its GIL), not one each. `now`: hand it on
-        with what is queued without waiting for the turn to end (any thread). Messages keep their order."""
-        with self._send_lock:
-            self._outbox.append(message)
-            if now:
-                self._hand_to_writer()
-            elif not self._flush_scheduled:
-                self._flush_scheduled = True
-                self._loop.call_soon_threadsafe(self._flush)
+        requests costs the engine process one wake-up (and one turn of its GIL), not one each. Messages keep
+        their order."""
+        if threading.get_ident() != self._loop_thread:
+            self._loop.call_soon_threadsafe(self._send, message)
+            return
+        self._outbox.append(message)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
 
     def _flush(self) -> None:
-        with self._send_lock:
-            self._flush_scheduled = False
-            self._hand_to_writer()
-
-    def _hand_to_writer(self) -> None:
-        if self._outbox:
-            batch, self._outbox = self._outbox, []
-            self._batches.put(batch)
-
-    def _write_batches(self) -> None:
-        """The writer thread: each batch in one write, in order, until stop (or the engine is gone: the reader
-        thread then fails what it held)."""
-        while (batch := self._batches.get()) is not None:
-            try:
-                self._conn.send(batch)
-            except OSError:
-                return
+        self._flush_scheduled = False
+        batch, self._outbox = self._outbox, []
+        if not batch or self._transport is None or self._transport.is_closing():
+            return  # the engine is gone: what it held fails in `_lost`
+        payload = pickle.dumps(batch, pickle.HIGHEST_PROTOCOL)
+        if len(payload) > 0x7FFFFFFF:
+            self._transport.write(_SIZE.pack(-1) + _BIG_SIZE.pack(len(payload)) + payload)
+        else:
+            self._transport.write(_SIZE.pack(len(payload)) + payload)
 
     def _forget(self, gid: int) -> Submission | None:
         sub = self._live.pop(gid, None)
@@ -183,39 +190,29 @@ class EngineClient:
 
     def _cancel(self, sub: Submission) -> None:
         """`on_cancel` of every submission: the engine drops it at its next step, and nothing more comes back."""
+        if threading.get_ident() != self._loop_thread:
+            self._loop.call_soon_threadsafe(self._cancel, sub)
+            return
         gid = self._id_of.get(sub)
         if gid is None:
             return  # it had ended
         self._forget(gid)
         self._send(("cancel", gid))
 
-    def _read(self) -> None:
-        """The reader thread: each step's events to their event loops, the stats, the engine's failure."""
-        while True:
-            try:
-                if self._paused:
-                    self._resume_readers()
-                if not self._conn.poll(BACKLOG_POLL_S):
-                    continue
-                kind, *payload = self._conn.recv()
-            except (EOFError, OSError):
-                break
-            if kind == "events":
-                self._dispatch(payload[0])
-            elif kind == "stats":
-                self._stats = payload[0]
-                self._stats_reply.set()
-            elif kind == "failed":
-                self._fail(payload[0], end_requests=False)  # the engine fails what it held itself
-            elif kind == "stopped":
-                break
-        if not self._stopping:
-            self._process.join(1.0)
-            self._fail(f"the engine process exited (exit code {self._process.exitcode})", end_requests=True)
-        self._stats_reply.set()
+    def _received(self, message: tuple[Any, ...]) -> None:
+        """A message from the engine: a step's events, the stats, the engine's failure."""
+        kind, *payload = message
+        if kind == "events":
+            self._dispatch(payload[0])
+        elif kind == "stats":
+            self._stats = payload[0]
+            if self._stats_reply is not None and not self._stats_reply.done():
+                self._stats_reply.set_result(None)
+        elif kind == "failed":
+            self._fail(payload[0], end_requests=False)  # the engine fails what it held itself
 
     def _dispatch(self, wire: list[tuple[int, Any]]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Submission, Any]]] = {}
+        elsewhere: dict[asyncio.AbstractEventLoop, list[tuple[Submission, Any]]] = {}
         arrived: dict[int, int] = {}
         for gid, item in wire:
             sub = self._live.get(gid)
@@ -227,22 +224,43 @@ class EngineClient:
             else:
                 self._waiting.discard(gid)
                 arrived[gid] = arrived.get(gid, 0) + 1
-            by_loop.setdefault(sub.loop, []).append((sub, event))
-        for loop, batch in by_loop.items():
+            if sub.loop is self._loop:
+                sub.channel.put_nowait((sub, event))
+            else:  # a submission made on another event loop
+                elsewhere.setdefault(sub.loop, []).append((sub, event))
+        for loop, batch in elsewhere.items():
             with suppress(RuntimeError):  # a closed event loop: nobody waits there any more
                 hand_over(loop, batch)
-        for gid, count in arrived.items():  # a reader this far behind: the engine waits for it (max_backlog)
+        for gid in arrived:  # a reader this far behind: the engine waits for it (max_backlog)
             sub = self._live.get(gid)
             limit = getattr(sub, "max_backlog", None)
-            if limit is not None and gid not in self._paused and sub.channel.qsize() + count >= limit:
+            if limit is not None and gid not in self._paused and sub.channel.qsize() >= limit:
                 self._paused[gid] = sub
                 self._send(("backlog", gid, True))
+                if self._backlog_check is None:
+                    self._backlog_check = self._loop.call_later(BACKLOG_POLL_S, self._resume_readers)
 
     def _resume_readers(self) -> None:
+        self._backlog_check = None
         for gid, sub in list(self._paused.items()):
             if sub.channel.qsize() < sub.max_backlog:
                 del self._paused[gid]
                 self._send(("backlog", gid, False))
+        if self._paused:
+            self._backlog_check = self._loop.call_later(BACKLOG_POLL_S, self._resume_readers)
+
+    def _lost(self) -> None:
+        """The pipe closed: the engine stopped, or died."""
+        if self._stats_reply is not None and not self._stats_reply.done():
+            self._stats_reply.set_result(None)
+        if self._stopping:
+            return
+
+        async def report() -> None:
+            await asyncio.to_thread(self._process.join, 1.0)
+            self._fail(f"the engine process exited (exit code {self._process.exitcode})", end_requests=True)
+
+        self._loop.create_task(report())
 
     def _fail(self, reason: str, end_requests: bool) -> None:
         if self.failure is None:
@@ -256,3 +274,29 @@ class EngineClient:
                 if sub is not None:
                     with suppress(RuntimeError):  # its event loop has closed: nobody waits there any more
                         hand_over(sub.loop, [(sub, GenerationFailed(500, ENGINE_GONE))])
+
+
+class _EngineProtocol(asyncio.Protocol):
+    """The HTTP process's end of the pipe on the event loop: multiprocessing.Connection's frames, unpickled."""
+
+    def __init__(self, client: EngineClient) -> None:
+        self._client = client
+        self._buffer = bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        while len(buffer) >= _SIZE.size:
+            (size,), start = _SIZE.unpack_from(buffer), _SIZE.size
+            if size == -1:
+                if len(buffer) < _SIZE.size + _BIG_SIZE.size:
+                    return
+                (size,), start = _BIG_SIZE.unpack_from(buffer, _SIZE.size), _SIZE.size + _BIG_SIZE.size
+            if len(buffer) < start + size:
+                return
+            message = pickle.loads(buffer[start:start + size])
+            del buffer[:start + size]
+            self._client._received(message)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._client._lost()

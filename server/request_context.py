@@ -40,6 +40,7 @@ class RequestRecord:
     output_tokens: int = 0
     ttft: float | None = None          # seconds from arrival to the first generated token
     finish_reasons: list[str] = field(default_factory=list)
+    body_bytes: int | None = None      # the request body's Content-Length (None: not given, a chunked body)
 
     def fields(self) -> dict[str, Any]:
         out: dict[str, Any] = {"request_id": self.id, "method": self.method, "path": self.path,
@@ -83,7 +84,10 @@ class RequestContext:
             await self.app(scope, receive, send)
             return
         state = scope["app"].state
-        record = RequestRecord(request_id_from(Headers(scope=scope)), scope["method"], scope["path"])
+        headers = Headers(scope=scope)
+        length = headers.get("content-length")
+        record = RequestRecord(request_id_from(headers), scope["method"], scope["path"],
+                               body_bytes=int(length) if length is not None and length.isdigit() else None)
         token = _current.set(record)
         probe = scope["path"] in OPEN_PATHS
 

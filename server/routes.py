@@ -5,7 +5,6 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.concurrency import run_in_threadpool
 
 from .errors import APIError, invalid
 from .openapi import PROMETHEUS_TEXT, RETRY_AFTER, anthropic_errors, errors
@@ -14,7 +13,7 @@ from .protocol import (ChatCompletionRequest, ChatCompletionResponse, Completion
                        HealthUnavailable, Liveness, ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
 from .protocol_anthropic import CountTokensRequest, MessageResponse, MessagesRequest, TokenCount
 from .protocol_responses import InputItemList, ResponseDeleted, ResponseObject, ResponsesRequest
-from .serving import ModelState, check_model, check_token_ids
+from .serving import ModelState, check_model, check_token_ids, prompt_work
 from .serving_chat import ChatServing, chat_prompt_ids
 from .serving_completions import CompletionServing
 from .serving_embeddings import EmbeddingServing
@@ -70,6 +69,7 @@ async def health(request: Request) -> Health | JSONResponse:
         return JSONResponse(HealthUnavailable(status="unhealthy", error=failure).model_dump(exclude_none=True),
                             status_code=503)
     runner = state.runner
+    await state.pool.refresh_stats()
     return Health(status="ok", model=state.model_id, device=str(runner.device),
                   dtype=str(runner.dtype).removeprefix("torch."), quant=runner.quant,
                   deterministic=runner.deterministic, **state.pool.stats())
@@ -80,6 +80,9 @@ async def health(request: Request) -> Health | JSONResponse:
                              "content": {PROMETHEUS_TEXT: {"schema": {"type": "string"}}}}},
             summary="Prometheus metrics, named as vLLM's with the prefix emberserve:")
 async def metrics(request: Request) -> Response:
+    state: ModelState | None = request.app.state.model
+    if state is not None:
+        await state.pool.refresh_stats()  # what the scrape's pool figures read
     body, content_type = request.app.state.metrics.exposition()
     return Response(body, media_type=content_type)
 
@@ -181,9 +184,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     if (body.prompt is None) == (body.messages is None):
         raise invalid("give exactly one of prompt or messages", param="prompt")
     if body.messages is not None:
-        ids = await run_in_threadpool(chat_prompt_ids, state, body.messages, body.add_generation_prompt)
+        ids = await prompt_work(chat_prompt_ids, state, body.messages, body.add_generation_prompt)
     else:
-        ids = await run_in_threadpool(state.runner.tokenizer.encode, body.prompt, body.add_special_tokens)
+        ids = await prompt_work(state.runner.tokenizer.encode, body.prompt, body.add_special_tokens)
     return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=state.runner.context_size)
 
 
@@ -191,4 +194,4 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     state = _state_for(request, body.model)
     check_token_ids(body.tokens, state.runner.vocab_size, "tokens")
-    return DetokenizeResponse(prompt=await run_in_threadpool(state.runner.tokenizer.decode, body.tokens))
+    return DetokenizeResponse(prompt=await prompt_work(state.runner.tokenizer.decode, body.tokens))

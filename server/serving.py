@@ -6,7 +6,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
@@ -33,6 +33,20 @@ DISCONNECT_POLL_S = 0.2
 # Events a stream's reader may be behind, per choice, before the worker pauses its generation: a client that stops
 # reading holds its blocks but costs no more compute, until the stream's send timeout cuts it.
 STREAM_BACKLOG_PER_CHOICE = 256
+# A request's prompt work (its chat template, tokenizing) runs on the event loop when its body is at most this big:
+# for a small prompt the hop to a worker thread and back costs more than the work, and its GIL hand-offs slow
+# every stream the loop serves (bench/RESULTS.md, issue 13: bench/http_cost.py). A bigger body goes to the thread
+# pool, so that the loop serves the other requests meanwhile (the tokenizer runs there without the GIL).
+INLINE_PROMPT_BYTES = 16384
+T = TypeVar("T")
+
+
+async def prompt_work(fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args), a request's prompt work: on the event loop for a small request body, else in the thread pool."""
+    record = current_request()
+    if record is not None and record.body_bytes is not None and record.body_bytes <= INLINE_PROMPT_BYTES:
+        return fn(*args)
+    return await run_in_threadpool(fn, *args)
 
 
 @dataclass

@@ -10,14 +10,13 @@ from typing import Any
 
 from fastapi import Request
 from jinja2 import TemplateError
-from starlette.concurrency import run_in_threadpool
 
 from .errors import APIError, invalid
 from .generation import ChoiceDelta, Generation, GenerationDone, TokenLogprob
 from .grammar import GrammarSpec, StructuredOutputError
 from .protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatMessage,
                        FunctionCall, ResponseMessage, TokenLogprob as TokenLogprobModel, ToolCall)
-from .serving import ModelState, OpenAIServing, cancel, request_id
+from .serving import ModelState, OpenAIServing, cancel, prompt_work, request_id
 from .sse import DONE, event_json, sse_response
 from .structured_outputs import output_grammar
 from .tool_calls import ToolPlan, plan_tools, template_messages, tool_format
@@ -103,7 +102,7 @@ class ChatServing(OpenAIServing):
             raise invalid("top_logprobs requires logprobs to be true", param="top_logprobs")
         plan = plan_output(req, self.tokenizer.chat_template)
         grammar = await self.compile_grammar(plan.grammar)
-        ids = await run_in_threadpool(chat_prompt_ids, self.state, req.messages, req.add_generation_prompt, plan.tools)
+        ids = await prompt_work(chat_prompt_ids, self.state, req.messages, req.add_generation_prompt, plan.tools)
         max_tokens = self.completion_budget(req, len(ids), "max_completion_tokens", "max_tokens")
         params = self.sampling_params(req, req.logprobs, req.top_logprobs or 0)
         rid = request_id("chatcmpl")
@@ -164,7 +163,7 @@ class ChatServing(OpenAIServing):
         return ResponseMessage(content=content, tool_calls=calls or None)
 
     async def _stream(self, gen: Generation, model: str, include_usage: bool,
-                      tools: ToolPlan | None = None) -> AsyncIterator[str]:
+                      tools: ToolPlan | None = None) -> AsyncIterator[str | list[str]]:
         created = int(time.time())
         want_logprobs = gen.params.logprobs
 
@@ -227,8 +226,9 @@ class ChatServing(OpenAIServing):
                         usage = self.usage(event.prompt_tokens, event.completion_tokens,
                                            event.cached_tokens).model_dump()
                     if gen.channel.empty():
-                        for line in flush():
-                            yield line
+                        lines = flush()
+                        if lines:
+                            yield lines  # every choice's news in one write
         except APIError as e:
             yield self.stream_error(e)
         yield DONE

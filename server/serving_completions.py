@@ -9,13 +9,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from starlette.concurrency import run_in_threadpool
 
 from .errors import APIError, invalid
 from .generation import ChoiceDelta, Generation, GenerationDone, PromptLogprobs, TokenLogprob
 from .grammar import StructuredOutputError
 from .protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
-from .serving import OpenAIServing, cancel, check_token_ids, reported_logprob, request_id
+from .serving import OpenAIServing, cancel, check_token_ids, prompt_work, reported_logprob, request_id
 from .sse import DONE, event_json, sse_response
 from .structured_outputs import output_grammar
 
@@ -70,7 +69,7 @@ class CompletionServing(OpenAIServing):
         except StructuredOutputError as e:
             raise invalid(e.message, param=e.param) from None
         grammar = await self.compile_grammar(spec)
-        prompts = await run_in_threadpool(self._prompts, req)
+        prompts = await prompt_work(self._prompts, req)
         top_n = req.logprobs
         params = self.sampling_params(req, top_n is not None, top_n or 0)
         rid = request_id("cmpl")
@@ -155,7 +154,7 @@ class CompletionServing(OpenAIServing):
                                   system_fingerprint=self.state.fingerprint)
 
     async def _stream(self, gens: list[Generation], prompts: list[_Prompt], req: CompletionRequest,
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool) -> AsyncIterator[str | list[str]]:
         """Every prompt's choices interleaved as their tokens come, each chunk carrying one choice."""
         created = int(time.time())
         n = req.n
@@ -220,8 +219,9 @@ class CompletionServing(OpenAIServing):
                         completion_tokens += event.completion_tokens
                         cached_tokens += event.cached_tokens
                     if channel.empty():
-                        for line in flush():
-                            yield line
+                        lines = flush()
+                        if lines:
+                            yield lines  # every choice's news in one write
             if include_usage:
                 yield chunk([], self.usage(prompt_tokens, completion_tokens, cached_tokens).model_dump())
         except APIError as e:

@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from fastapi import Request
 from fastapi.responses import Response
-from starlette.concurrency import run_in_threadpool
 
 from .embedding_jobs import EmbeddingJob, EmbeddingsDone
 from .errors import APIError, invalid
@@ -25,7 +24,7 @@ from .generation import GenerationFailed
 from .metrics import ServerMetrics
 from .protocol import MAX_EMBEDDING_INPUTS, EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
 from .request_context import current_request
-from .serving import DISCONNECT_POLL_S, ModelState, check_model, check_token_ids, request_id
+from .serving import DISCONNECT_POLL_S, ModelState, check_model, check_token_ids, prompt_work, request_id
 
 log = logging.getLogger("emberserve.serving")
 
@@ -61,7 +60,7 @@ class EmbeddingServing:
         if req.dimensions is not None and req.dimensions > size:
             raise invalid(f"dimensions must be at most {size} for this model, got {req.dimensions}",
                           param="dimensions")
-        inputs = await run_in_threadpool(self._inputs, req)
+        inputs = await prompt_work(self._inputs, req)
         job = EmbeddingJob(inputs, self.state.pooling, request_id("embd"), arrival)
         self.state.pool.submit(job)
         done = await self._result(job, request)

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
+from sse_starlette.event import ServerSentEvent
 from sse_starlette.sse import EventSourceResponse
 from starlette.types import Message, Receive, Scope, Send
 
@@ -75,21 +76,44 @@ class _EventStream(EventSourceResponse):
                 guard.cancel()
             self._on_close()
 
+    async def _send_with_timeout(self, send: Send, message: Message) -> None:
+        # sse-starlette wraps every send in a cancel scope for its own send timeout, which this class does not use
+        # (the watchdog above times sends instead): the scope cost more than the send itself at a chunk a token.
+        await send(message)
 
-async def _guarded(events: AsyncIterator[str], scope: Scope) -> AsyncIterator[str]:
+
+async def _guarded(events: AsyncIterator[Any], scope: Scope) -> AsyncIterator[bytes]:
     async with aclosing(events):  # closed with the stream, so that its generations are cancelled at once
         try:
             async for event in events:
-                yield event
+                yield encode_events(event)
         except Exception:
             log.exception("unhandled error while streaming %s %s", scope["method"], scope["path"])
             error = internal_error()
             count(scope["app"], error)
-            yield sse_error(error)
-            yield DONE
+            yield encode_events([sse_error(error), DONE])
 
 
-def sse_response(events: AsyncIterator[str], on_close: Callable[[], None],
+def encode_events(item: str | dict[str, str] | list[str | dict[str, str]]) -> bytes:
+    """What a stream yields, as the bytes on the wire: a `data:` payload (str), a named event ({"event", "data"}),
+    or a list of them, written together (one send for what a reader that fell behind has waiting).
+
+    Encoded here rather than by sse-starlette, whose general encoder (line splitting, every field) cost more than
+    the rest of a chunk's way out (bench/RESULTS.md, issue 13); payloads with a line break still go through it.
+    """
+    if isinstance(item, list):
+        return b"".join(map(encode_events, item))
+    if isinstance(item, str):
+        if "\n" in item or "\r" in item:
+            return ServerSentEvent(item, sep="\n").encode()
+        return b"data: " + item.encode() + b"\n\n"
+    kind, data = item["event"], item["data"]
+    if "\n" in data or "\r" in data or "\n" in kind or "\r" in kind:
+        return ServerSentEvent(data, event=kind, sep="\n").encode()
+    return b"event: " + kind.encode() + b"\ndata: " + data.encode() + b"\n\n"
+
+
+def sse_response(events: AsyncIterator[Any], on_close: Callable[[], None],
                  send_timeout: float | None = None) -> EventSourceResponse:
     """Stream each yielded string as one `data:` event; `on_close()` runs when the response ends, whatever ends it.
 

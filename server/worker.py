@@ -225,6 +225,9 @@ class WorkerPool:
     def generated_tokens(self) -> int:
         return sum(w.generated_tokens for w in self.workers)
 
+    async def refresh_stats(self) -> None:
+        """Nothing to fetch: `stats` reads the workers (the engine process's pool has to ask for them)."""
+
     def stats(self) -> dict[str, int | float | str | list[int] | None]:
         """Load and KV-cache figures summed over the workers (cached but unreferenced blocks count as free), and
         speculative decoding's (vLLM's spec_decode names; the rates None without any draft)."""
