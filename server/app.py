@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from fastapi import FastAPI
@@ -28,7 +28,7 @@ from .openapi import install_openapi
 from .presets import get_preset
 from .progress import LoadProgress
 from .request_context import REQUEST_ID_HEADER, RequestContext
-from .response_store import ResponseStore
+from .response_store import LocalResponses, ResponseStore
 from .routes import router
 from .security import ApiKeyAuth, BodySizeLimit
 from .serving import ModelState
@@ -42,8 +42,9 @@ from .settings import Settings, device_default
 from .speculation import SpeculativeConfig, Speculator
 from .draft_model import DraftModel, vocabulary_mismatch
 from .worker import Worker, WorkerPool, freeze_heap
-from .engine_process import EngineClient
+from .engine_process import EngineClient, EngineResponses
 from .engine_wire import ServedModel
+from .http_fronts import Fronts
 
 log = logging.getLogger("emberserve")
 T = TypeVar("T")
@@ -222,26 +223,49 @@ async def _in_own_thread(fn: Callable[[], T], discard: Callable[[T], None] | Non
         raise
 
 
-async def _load_engine_process(settings: Settings, on_failure: Callable[[str], None]) -> ModelState:
-    """Start the engine process (server/engine_process.py) and serve from it once its model is loaded."""
-    client = EngineClient(settings, on_failure)
+async def _load_engine_process(app: FastAPI, settings: Settings, on_failure: Callable[[str], None]) -> ModelState:
+    """Start the engine process (server/engine_process.py) and serve from it once its model is loaded; then the
+    other HTTP processes, if there are to be more (server/http_fronts.py)."""
+    fronts = settings.api_server_count - 1
+    sock = app.state.listen_socket
+    if fronts and sock is None:
+        raise ValueError("--api-server-count above 1 needs the command line's server (`emberserve serve`), which "
+                         "binds the port that the HTTP processes share")
+    client = EngineClient(settings, on_failure, fronts=fronts)
     served = await _in_own_thread(client.wait_ready, lambda _: client.stop(), client.kill)
     await client.attach()
     log.info("the engine runs in process %d beside this one (the HTTP server's)", client.pid)
+    if fronts:
+        app.state.fronts = Fronts(settings, client.front_conns, served, sock, on_failure)
+        log.info("%d more HTTP processes serve the port: %s", fronts, ", ".join(map(str, app.state.fronts.pids)))
+    return _served_from(settings, served, client)
+
+
+async def _attach_engine(settings: Settings, conn: Any, served: ServedModel,
+                         on_failure: Callable[[str], None]) -> ModelState:
+    """Serve from an engine process that the main HTTP process started (in one of the others it started)."""
+    client = EngineClient(settings, on_failure, conn=conn)
+    await client.attach()
+    return _served_from(settings, served, client)
+
+
+def _served_from(settings: Settings, served: ServedModel, client: EngineClient) -> ModelState:
     state = model_state(settings, served, client)
     freeze_heap()  # this process's own heap: torch, the tokenizer, the app (the engine process froze its own)
     return state
 
 
-async def _load_in_background(app: FastAPI, settings: Settings) -> None:
+async def _load_in_background(app: FastAPI, settings: Settings, engine: tuple[Any, ServedModel] | None) -> None:
     loop = asyncio.get_running_loop()
 
     def stopped_serving(reason: str) -> None:  # on a worker's thread, or the engine process reader's
         loop.call_soon_threadsafe(_stop_serving, app, reason)
 
     try:
-        if device_default(settings, "engine_process"):
-            state = await _load_engine_process(settings, stopped_serving)
+        if engine is not None:
+            state = await _attach_engine(settings, *engine, stopped_serving)
+        elif device_default(settings, "engine_process"):
+            state = await _load_engine_process(app, settings, stopped_serving)
         else:
             state = await _in_own_thread(
                 lambda: _load(settings, lambda w: stopped_serving(f"{w.name} stopped serving: {w.failure}")),
@@ -254,8 +278,10 @@ async def _load_in_background(app: FastAPI, settings: Settings) -> None:
     app.state.model = state
     app.state.chat = ChatServing(state, app.state.metrics)
     app.state.completions = CompletionServing(state, app.state.metrics)
-    app.state.responses = ResponsesServing(state, app.state.metrics,
-                                           ResponseStore(settings.responses_store_size, settings.responses_store_ttl))
+    # One store for every HTTP process when there are several: the engine process's.
+    store = (EngineResponses(state.pool) if settings.api_server_count > 1 else
+             LocalResponses(ResponseStore(settings.responses_store_size, settings.responses_store_ttl)))
+    app.state.responses = ResponsesServing(state, app.state.metrics, store)
     app.state.messages = MessagesServing(state, app.state.metrics)
     app.state.embeddings = EmbeddingServing(state, app.state.metrics)
     log.info("serving %s at http://%s:%d/v1%s%s", state.model_id, settings.host, settings.port,
@@ -282,19 +308,22 @@ def _stop_serving(app: FastAPI, reason: str) -> None:
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
-def create_app(settings: Settings) -> FastAPI:
-    """An app that answers /health with 503 while the model loads, then serves the OpenAI API."""
+def create_app(settings: Settings, engine: tuple[Any, ServedModel] | None = None) -> FastAPI:
+    """An app that answers /health with 503 while the model loads, then serves the OpenAI API (`engine`: the pipe
+    to an engine process that another process started, and its model: server/http_fronts.py)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-        loading = asyncio.create_task(_load_in_background(app, settings))
+        loading = asyncio.create_task(_load_in_background(app, settings, engine))
         try:
             yield
         finally:
             loading.cancel()
             with suppress(asyncio.CancelledError):
                 await loading  # a load still running ends first (_in_own_thread)
+            if app.state.fronts is not None:
+                app.state.fronts.stop()  # they drain, and need the engine until they are done
             state: ModelState | None = app.state.model
             if state is not None:
                 state.pool.stop()
@@ -305,6 +334,8 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.model = None
     app.state.load_error = None
     app.state.fatal_error = None   # set when a worker stopped serving: unhealthy, and the server exits
+    app.state.listen_socket = None  # the port's socket, bound by the CLI for the HTTP processes that share it
+    app.state.fronts = None        # the other HTTP processes (--api-server-count), started by this one
     app.state.in_flight = 0        # requests being answered, probes and scrapes aside
     app.state.draining = False     # set by SIGTERM: /health answers 503 and new requests are refused
     app.state.metrics = ServerMetrics(lambda: app.state.model.pool.stats() if app.state.model is not None else None)

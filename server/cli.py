@@ -4,7 +4,9 @@ from __future__ import annotations
 import argparse
 import ctypes
 import logging
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Literal, Optional, get_args, get_origin
 
@@ -18,6 +20,7 @@ from . import __version__
 from .app import SELF_DRAFTS, create_app
 from .lifecycle import DrainingServer
 from .logs import configure_logging
+from .metrics import share_metrics_across_processes
 from .presets import presets_text
 from .settings import Settings, env_name, flag_name
 
@@ -96,6 +99,18 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, settings.log_format)
+    metrics_dir = None
+    if settings.api_server_count > 1:  # every HTTP process's metrics in files that a scrape of any one sums
+        metrics_dir = tempfile.mkdtemp(prefix="emberserve-metrics-")
+        share_metrics_across_processes(metrics_dir)
+    try:
+        return _run_server(settings)
+    finally:
+        if metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _run_server(settings: Settings) -> int:
     app = create_app(settings)
     log.info("emberserve %s: loading %s on %s; will listen on http://%s:%d/v1", __version__, settings.model,
              settings.device, settings.host, settings.port)
@@ -104,7 +119,11 @@ def _serve(args: argparse.Namespace) -> int:
                             log_config=None, access_log=False, timeout_graceful_shutdown=FINAL_CLOSE_S)
     server = DrainingServer(config, app, grace=settings.shutdown_grace)
     app.state.request_shutdown = lambda: setattr(server, "should_exit", True)
-    server.run()
+    if settings.api_server_count > 1:  # bound here, as uvicorn's own workers do, for every HTTP process to share
+        app.state.listen_socket = config.bind_socket()
+        server.run(sockets=[app.state.listen_socket])
+    else:
+        server.run()
     if app.state.load_error:
         print(f"error: cannot load model {settings.model!r}: {app.state.load_error}", file=sys.stderr)
         return EXIT_LOAD_FAILED

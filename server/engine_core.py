@@ -1,5 +1,7 @@
 """The engine process's main (`serve_engine`): load the model as the one-process server does, serve its worker pool,
-and answer the HTTP process's pipe (server/engine_process.py has the other end)."""
+and answer the HTTP processes' pipes (server/engine_process.py has the other end): the main HTTP process's, whose
+stop or departure stops the engine, and one per further HTTP process (`--api-server-count`, server/http_fronts.py),
+whose departure cancels only what it had submitted."""
 from __future__ import annotations
 
 import logging
@@ -15,17 +17,20 @@ from .engine_wire import ServedModel, encode_event, is_final
 from .errors import APIError
 from .generation import Generation, GenerationFailed, Submission
 from .grammar import GrammarCompiler, StructuredOutputError
+from .response_store import ResponseStore
 from .settings import Settings
 
 log = logging.getLogger("emberserve.engine_process")
+_STORE_LOCK = threading.Lock()  # the shared response store, used from every pipe's thread
 
 
 class _EngineSide:
     """The engine process's end of the pipe: builds each submission for the pool and sends its events back
     (the `sink` of every Generation and EmbeddingJob it holds)."""
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, store: ResponseStore | None = None) -> None:
         self._conn = conn
+        self._store = store  # the stored responses that every HTTP process shares (None: each keeps its own)
         self._send_lock = threading.Lock()
         self._subs: dict[int, Submission] = {}
         self._id_of: dict[Submission, int] = {}
@@ -69,23 +74,32 @@ class _EngineSide:
             self._paused.discard(sub)
         return sub
 
-    def serve(self, state: Any) -> None:
-        """Answer the HTTP process until it says stop or goes away; then stop the workers."""
-        serving = True
-        while serving:
+    def serve(self, state: Any) -> bool:
+        """Answer this pipe's HTTP process until it says stop (True) or goes away (False)."""
+        while True:
             try:
                 messages = self._conn.recv()  # what the HTTP process queued in one turn of its event loop
             except (EOFError, OSError):
-                log.warning("the HTTP process went away: stopping")
-                break
+                return False
             for kind, *payload in messages:
                 if kind == "stop":
-                    serving = False
-                    break
+                    return True
                 self._handle(state, kind, payload)
+
+    def stop_compiling(self) -> None:
         self._compiles.shutdown(wait=False, cancel_futures=True)
-        state.pool.stop()
-        self.send(("stopped",))
+
+    def close(self) -> None:
+        """This HTTP process is done: what it submitted is cancelled, nothing more is sent to it."""
+        self._gone = True
+        self.stop_compiling()
+        with self._lock:
+            self._compiling.clear()
+            subs = list(self._subs.values())
+            self._subs.clear()
+            self._id_of.clear()
+        for sub in subs:
+            sub.cancel()
 
     def _handle(self, state: Any, kind: str, payload: list[Any]) -> None:
         if kind == "generate":
@@ -109,6 +123,11 @@ class _EngineSide:
                 (self._paused.add if payload[1] else self._paused.discard)(sub)
         elif kind == "stats":
             self.send(("stats", state.pool.stats()))
+        elif kind == "store":  # (call id, "get" | "put" | "delete", key, value)
+            call, op, key, value = payload
+            with _STORE_LOCK:
+                result = self._store.put(key, value) if op == "put" else getattr(self._store, op)(key)
+            self.send(("stored", call, result))
 
     def _generation(self, spec: dict[str, Any], grammars: GrammarCompiler) -> Generation | GenerationFailed:
         grammar = spec.pop("grammar")
@@ -148,8 +167,9 @@ class _EngineSide:
             self.send(("events", [(gid, GenerationFailed(e.status, e.message, e.code))]))
 
 
-def serve_engine(conn: Connection, settings: Settings) -> None:
-    """The engine process: load the model as the one-process server does, then serve the HTTP process's pipe."""
+def serve_engine(conns: list[Connection], settings: Settings) -> None:
+    """The engine process: load the model as the one-process server does, then serve the HTTP processes' pipes
+    (the first: the main HTTP process's, told the model is ready; the others' HTTP processes start after it)."""
     # Signals are the HTTP process's to act on (a drain needs the engine until its last stream ends); it says stop,
     # or its end of the pipe closes.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -161,16 +181,38 @@ def serve_engine(conn: Connection, settings: Settings) -> None:
     cap_malloc_arenas()
     configure_logging(settings.log_level, settings.log_format)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    side = _EngineSide(conn)
+    store = ResponseStore(settings.responses_store_size, settings.responses_store_ttl) if len(conns) > 1 else None
+    main, *fronts = [_EngineSide(conn, store) for conn in conns]
 
     def worker_failed(worker: Any) -> None:  # on the worker's thread
-        side.send(("failed", f"{worker.name} stopped serving: {worker.failure}"))
+        for side in (main, *fronts):
+            side.send(("failed", f"{worker.name} stopped serving: {worker.failure}"))
 
     try:
         state = _load(settings, worker_failed)
     except Exception as e:
         log.debug("the model did not load", exc_info=e)
-        side.send(("load_failed", str(e)))
+        main.send(("load_failed", str(e)))
         return
-    side.send(("ready", ServedModel.of(state.runner)))
-    side.serve(state)
+    main.send(("ready", ServedModel.of(state.runner)))
+
+    serve_pipes(state, main, fronts)
+
+
+def serve_pipes(state: Any, main: _EngineSide, fronts: list[_EngineSide]) -> None:
+    """Serve every HTTP process's pipe (the others' on threads of their own) until the main one says stop or goes
+    away; then stop the workers and say so."""
+    def serve_front(side: _EngineSide, index: int) -> None:
+        side.serve(state)
+        log.info("HTTP process %d closed its pipe: its requests are cancelled", index)
+        side.close()
+
+    for i, side in enumerate(fronts, start=1):
+        threading.Thread(target=serve_front, args=(side, i), name=f"engine-pipe-{i}", daemon=True).start()
+    if not main.serve(state):
+        log.warning("the HTTP process went away: stopping")
+    for side in fronts:
+        side.close()
+    main.stop_compiling()
+    state.pool.stop()
+    main.send(("stopped",))

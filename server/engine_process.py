@@ -26,9 +26,11 @@ import struct
 import threading
 from collections.abc import Callable
 from contextlib import suppress
+from multiprocessing.connection import Connection
 from typing import Any
 
 from .embedding_jobs import EmbeddingJob
+from .errors import APIError
 from .engine_core import serve_engine
 from .engine_wire import GENERATION_FIELDS, JOB_FIELDS, ServedModel, decode_event, is_final
 from .generation import Generation, GenerationFailed, Submission, hand_over
@@ -53,16 +55,27 @@ class EngineClient:
     died); every request it held then fails with a 500.
     """
 
-    def __init__(self, settings: Settings, on_failure: Callable[[str], None] | None = None) -> None:
+    def __init__(self, settings: Settings, on_failure: Callable[[str], None] | None = None, fronts: int = 0,
+                 conn: Connection | None = None) -> None:
+        """Start the engine process, with a pipe for this process and one for each of `fronts` more HTTP processes
+        (`front_conns`, handed to them: server/http_fronts.py); or, given `conn`, use an engine that another
+        process started (in one of those HTTP processes)."""
         self.max_queued = settings.max_queued
         self.on_failure = on_failure
         self.failure: str | None = None
-        context = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
-        self._conn, child = context.Pipe()
-        # Not a daemon: a tensor-parallel engine spawns its ranks from there.
-        self._process = context.Process(target=serve_engine, args=(child, settings), name="emberserve-engine")
-        self._process.start()
-        child.close()
+        self.front_conns: list[Connection] = []
+        self._process: multiprocessing.process.BaseProcess | None = None
+        if conn is None:
+            context = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
+            pipes = [context.Pipe() for _ in range(1 + fronts)]
+            (conn, _), self.front_conns = pipes[0], [ours for ours, _ in pipes[1:]]
+            # Not a daemon: a tensor-parallel engine spawns its ranks from there.
+            self._process = context.Process(target=serve_engine, args=([theirs for _, theirs in pipes], settings),
+                                            name="emberserve-engine")
+            self._process.start()
+            for _, theirs in pipes:
+                theirs.close()
+        self._conn = conn
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._transport: asyncio.Transport | None = None  # the pipe on the loop, once attached
@@ -76,6 +89,7 @@ class EngineClient:
         self._backlog_check: asyncio.TimerHandle | None = None
         self._stats: dict[str, Any] = {}
         self._stats_reply: asyncio.Future[None] | None = None
+        self._store_calls: dict[int, asyncio.Future[Any]] = {}
         self._stopping = False
 
     def wait_ready(self) -> ServedModel:
@@ -98,16 +112,26 @@ class EngineClient:
 
     @property
     def pid(self) -> int | None:
-        return self._process.pid
+        """The engine process's (None where this process did not start it)."""
+        return None if self._process is None else self._process.pid
 
     def kill(self) -> None:
         """End the engine process now (a load cancelled by a signal: nothing of it is worth keeping)."""
         self._stopping = True
-        self._process.kill()
+        if self._process is not None:
+            self._process.kill()
 
     def stop(self) -> None:
-        """Ask the engine to stop its workers and exit; killed past STOP_TIMEOUT_S (blocking: the server's last act)."""
+        """Ask the engine to stop its workers and exit; killed past STOP_TIMEOUT_S (blocking: the server's last act).
+        In an HTTP process that did not start the engine: close this process's pipe (the engine cancels what
+        came through it and serves on)."""
         self._stopping = True
+        if self._process is None:
+            if self._transport is not None:
+                self._transport.abort()
+            self._conn.close()
+            gc.unfreeze()
+            return
         # Written straight to the pipe: the loop does not run while this waits. Whatever the transport still holds
         # would come first; with a backlog there, the engine is not reading, and is killed below.
         transport = self._transport
@@ -155,6 +179,20 @@ class EngineClient:
             self._send(("stats",))
         with suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(self._stats_reply), STATS_TIMEOUT_S)
+
+    async def store_call(self, op: str, key: str, value: Any = None) -> Any:
+        """`op` ("get", "put", "delete") on the engine process's response store, which every HTTP process shares."""
+        if self.failure is not None:
+            raise worker_failed_error()
+        call = next(self._ids)
+        reply = self._store_calls[call] = self._loop.create_future()
+        self._send(("store", call, op, key, value))
+        try:
+            return await asyncio.wait_for(reply, STATS_TIMEOUT_S)
+        except TimeoutError:
+            raise APIError(503, "the engine process did not answer in time; retry", code="engine_busy") from None
+        finally:
+            self._store_calls.pop(call, None)
 
     # ---- the HTTP process's side of the wire, all on the event loop ----
     def _send(self, message: tuple[Any, ...]) -> None:
@@ -208,6 +246,10 @@ class EngineClient:
             self._stats = payload[0]
             if self._stats_reply is not None and not self._stats_reply.done():
                 self._stats_reply.set_result(None)
+        elif kind == "stored":
+            reply = self._store_calls.get(payload[0])
+            if reply is not None and not reply.done():
+                reply.set_result(payload[1])
         elif kind == "failed":
             self._fail(payload[0], end_requests=False)  # the engine fails what it held itself
 
@@ -253,7 +295,13 @@ class EngineClient:
         """The pipe closed: the engine stopped, or died."""
         if self._stats_reply is not None and not self._stats_reply.done():
             self._stats_reply.set_result(None)
+        for reply in self._store_calls.values():
+            if not reply.done():
+                reply.set_exception(worker_failed_error())
         if self._stopping:
+            return
+        if self._process is None:
+            self._fail("the engine process went away", end_requests=True)
             return
 
         async def report() -> None:
@@ -274,6 +322,22 @@ class EngineClient:
                 if sub is not None:
                     with suppress(RuntimeError):  # its event loop has closed: nobody waits there any more
                         hand_over(sub.loop, [(sub, GenerationFailed(500, ENGINE_GONE))])
+
+
+class EngineResponses:
+    """The engine process's response store (`StoredResponses`), shared by the HTTP processes in front of it."""
+
+    def __init__(self, client: EngineClient) -> None:
+        self.client = client
+
+    async def put(self, key: str, value: Any) -> None:
+        await self.client.store_call("put", key, value)
+
+    async def get(self, key: str) -> Any | None:
+        return await self.client.store_call("get", key)
+
+    async def delete(self, key: str) -> bool:
+        return bool(await self.client.store_call("delete", key))
 
 
 class _EngineProtocol(asyncio.Protocol):

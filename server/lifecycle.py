@@ -27,6 +27,9 @@ class DrainingServer(uvicorn.Server):
             # Not passed to uvicorn: it would re-raise the signal after shutting down, and the exit status
             # would be 143 instead of a clean 0.
             self.app.state.draining = True
+            fronts = self.app.state.fronts
+            if fronts is not None:  # the other HTTP processes drain beside this one (server/http_fronts.py)
+                fronts.terminate()
             threading.Thread(target=self._drain, name="drain", daemon=True).start()
             return
         super().handle_exit(sig, frame)

@@ -6,11 +6,13 @@ running and waiting requests, KV blocks and prefix-cache figures are read from t
 """
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, values
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -18,6 +20,15 @@ from .generation import ChoiceDelta, Event, Generation, GenerationFailed
 from .request_context import RequestRecord
 
 PREFIX = "emberserve:"
+MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's: where every process writes its metrics
+
+
+def share_metrics_across_processes(directory: str) -> None:
+    """From now on this process's metrics live in files under `directory`, which every HTTP process in front of one
+    engine writes and a scrape of any of them sums (prometheus_client's multiprocess mode; set before the metrics
+    are made, and inherited by the processes started after it)."""
+    os.environ[MULTIPROCESS_ENV] = directory
+    values.ValueClass = values.get_value_class()  # chosen by prometheus_client when first imported
 FINISH_REASONS = ("stop", "length", "abort")
 # vLLM's buckets, so quantiles read the same on its dashboards; ITL adds finer ones below vLLM's 10 ms, where small
 # models decode.
@@ -100,7 +111,11 @@ class ServerMetrics:
                              buckets=E2E_BUCKETS, registry=r)
         for reason in FINISH_REASONS:  # present at 0 from the start, so rate() sees the first one
             self.success.labels(reason)
-        r.register(_PoolCollector(stats))
+        shared = os.environ.get(MULTIPROCESS_ENV)
+        if shared is not None:  # a scrape reads every process's files (and the pool once), not this registry
+            self.registry = CollectorRegistry()
+            MultiProcessCollector(self.registry, path=shared)
+        self.registry.register(_PoolCollector(stats))
 
     def observe_first_token(self, arrival: float, now: float) -> None:
         """A sequence's first token."""

@@ -2,7 +2,11 @@
 
 A response is kept from the moment it is stored for at most `max_age` seconds, and the store holds at most
 `max_items` of them: a new one past that evicts the oldest. Reading does not extend a response's life (OpenAI
-keeps responses for a fixed time after their creation too). Only the event loop touches it: no lock.
+keeps responses for a fixed time after their creation too). Only the event loop touches it: no lock (in the engine
+process, which holds the store that several HTTP processes share, its pipes' threads take a lock).
+
+The serving layer reads it through `StoredResponses` (awaited): this process's store (`LocalResponses`), or the
+engine process's (server/engine_process.py, `EngineResponses`) when several HTTP processes serve one engine.
 """
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 T = TypeVar("T")
 
@@ -63,3 +67,29 @@ class ResponseStore(Generic[T]):
             if entry.stored_at > deadline:
                 break
             del self._entries[key]
+
+
+class StoredResponses(Protocol):
+    """A response store as the serving layer uses it."""
+
+    async def put(self, key: str, value: Any) -> None: ...
+
+    async def get(self, key: str) -> Any | None: ...
+
+    async def delete(self, key: str) -> bool: ...
+
+
+class LocalResponses:
+    """`StoredResponses` over a ResponseStore in this process."""
+
+    def __init__(self, store: ResponseStore[Any]) -> None:
+        self.store = store
+
+    async def put(self, key: str, value: Any) -> None:
+        self.store.put(key, value)
+
+    async def get(self, key: str) -> Any | None:
+        return self.store.get(key)
+
+    async def delete(self, key: str) -> bool:
+        return self.store.delete(key)

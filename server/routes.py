@@ -134,14 +134,14 @@ _STORED_ERRORS = errors(404, 503)
 async def retrieve_response(response_id: str, request: Request) -> ResponseObject:
     _state(request)
     serving: ResponsesServing = request.app.state.responses
-    return serving.retrieve(response_id)
+    return await serving.retrieve(response_id)
 
 
 @router.delete("/v1/responses/{response_id}", response_model=ResponseDeleted, responses=_STORED_ERRORS)
 async def delete_response(response_id: str, request: Request) -> ResponseDeleted:
     _state(request)
     serving: ResponsesServing = request.app.state.responses
-    return serving.delete(response_id)
+    return await serving.delete(response_id)
 
 
 @router.get("/v1/responses/{response_id}/input_items", response_model=InputItemList,
@@ -150,7 +150,7 @@ async def response_input_items(response_id: str, request: Request, limit: int = 
                                order: Literal["asc", "desc"] = "desc", after: str | None = None) -> InputItemList:
     _state(request)
     serving: ResponsesServing = request.app.state.responses
-    return serving.input_items(response_id, limit, order, after)
+    return await serving.input_items(response_id, limit, order, after)
 
 
 @router.post("/v1/messages", response_model=None,

@@ -27,7 +27,7 @@ from .output_blocks import BlockEvent, OutputBlock, OutputBlocks
 from .protocol_responses import (FunctionCallItem, IncompleteDetails, InputItemList, InputTokensDetails,
                                  OutputMessage, OutputText, ResponseDeleted, ResponseObject, ResponsesRequest,
                                  ResponseUsage, StoredInputItem)
-from .response_store import ResponseStore
+from .response_store import StoredResponses
 from .responses_input import (FIELD_NAMES, Message, chat_fields, echoed_tools, input_messages, new_id,
                               stored_input_items)
 from .serving import ModelState, cancel
@@ -85,7 +85,7 @@ class ResponsesServing(ChatMappedServing):
 
     field_names = FIELD_NAMES
 
-    def __init__(self, state: ModelState, metrics: ServerMetrics, store: ResponseStore[StoredResponse]) -> None:
+    def __init__(self, state: ModelState, metrics: ServerMetrics, store: StoredResponses) -> None:
         super().__init__(state, metrics)
         self.store = store
 
@@ -93,7 +93,7 @@ class ResponsesServing(ChatMappedServing):
         arrival = time.perf_counter()
         self.check_model(req.model)
         self.log_unknown_fields(req)
-        history = self._history(req.previous_response_id)
+        history = await self._history(req.previous_response_id)
         inputs = input_messages(req.input)
         chat = self.chat_request(chat_fields(req, history, inputs))
         rid = new_id("resp")
@@ -107,12 +107,12 @@ class ResponsesServing(ChatMappedServing):
         blocks = OutputBlocks(tools)
         blocks.push(outcome.text)
         blocks.finish()
-        return self._finish(turn, outcome, blocks)
+        return await self._finish(turn, outcome, blocks)
 
-    def _history(self, previous_id: str | None) -> list[Message]:
+    async def _history(self, previous_id: str | None) -> list[Message]:
         if previous_id is None:
             return []
-        stored = self.store.get(previous_id)
+        stored = await self.store.get(previous_id)
         if stored is None:
             raise APIError(404, f"Previous response with id '{previous_id}' not found.",
                            param="previous_response_id", code="previous_response_not_found")
@@ -140,7 +140,7 @@ class ResponsesServing(ChatMappedServing):
         return [output_item(b, _item_id(turn, i, b), status if i == last else "completed")
                 for i, b in enumerate(blocks.blocks)]
 
-    def _finish(self, turn: _Turn, outcome: ChatOutcome, blocks: OutputBlocks) -> ResponseObject:
+    async def _finish(self, turn: _Turn, outcome: ChatOutcome, blocks: OutputBlocks) -> ResponseObject:
         """The finished response, stored when the request asked for it."""
         status = _status(outcome)
         usage = ResponseUsage(input_tokens=outcome.prompt_tokens,
@@ -150,7 +150,7 @@ class ResponsesServing(ChatMappedServing):
                               total_tokens=outcome.prompt_tokens + outcome.completion_tokens)
         response = self._response(turn, status, self._output(turn, blocks, status), usage)
         if turn.req.store:
-            self.store.put(turn.id, StoredResponse(response, stored_input_items(turn.req.input),
+            await self.store.put(turn.id, StoredResponse(response, stored_input_items(turn.req.input),
                                                    [*turn.history, *turn.inputs, _answer(blocks)]))
         return response
 
@@ -186,7 +186,7 @@ class ResponsesServing(ChatMappedServing):
             last = change.index == len(blocks.blocks) - 1
             for e in self._item_events(turn, change, status if last else "completed", event):
                 yield e
-        response = self._finish(turn, outcome, blocks)
+        response = await self._finish(turn, outcome, blocks)
         kind = "response.completed" if response.status == "completed" else "response.incomplete"
         yield event(kind, response=response.model_dump())
 
@@ -226,23 +226,23 @@ class ResponsesServing(ChatMappedServing):
 
     # ---- stored responses ----
 
-    def _stored(self, response_id: str) -> StoredResponse:
-        stored = self.store.get(response_id)
+    async def _stored(self, response_id: str) -> StoredResponse:
+        stored = await self.store.get(response_id)
         if stored is None:
             raise APIError(404, f"Response with id '{response_id}' not found.", param="response_id",
                            code="response_not_found")
         return stored
 
-    def retrieve(self, response_id: str) -> ResponseObject:
-        return self._stored(response_id).response
+    async def retrieve(self, response_id: str) -> ResponseObject:
+        return (await self._stored(response_id)).response
 
-    def delete(self, response_id: str) -> ResponseDeleted:
-        self._stored(response_id)
-        self.store.delete(response_id)
+    async def delete(self, response_id: str) -> ResponseDeleted:
+        await self._stored(response_id)
+        await self.store.delete(response_id)
         return ResponseDeleted(id=response_id)
 
-    def input_items(self, response_id: str, limit: int, order: str, after: str | None) -> InputItemList:
-        items = self._stored(response_id).input_items
+    async def input_items(self, response_id: str, limit: int, order: str, after: str | None) -> InputItemList:
+        items = (await self._stored(response_id)).input_items
         if order == "desc":
             items = items[::-1]
         if after is not None:

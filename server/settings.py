@@ -80,6 +80,10 @@ class Settings(BaseSettings):
         None, description="run the engine (the model, its scheduler and workers) in a process of its own beside the "
                           "HTTP server, so that the two do not take turns on one GIL (default: on with a GPU; off "
                           "on CPU, whose cores the two processes would share)")
+    api_server_count: PositiveInt = Field(
+        1, description="HTTP processes in front of the one engine process, sharing the port (vLLM's "
+                       "--api-server-count): each parses requests and writes streams on a core of its own; more "
+                       "than 1 needs the engine process (--engine-process)")
     dense_prefill: bool | None = Field(
         None, description="with int4/int8 weights, also keep a bfloat16 copy of the layer weights for prompts, for 2 "
                           "bytes per weight more memory (default: where it is faster, i.e. unless the int8 "
@@ -146,6 +150,14 @@ class Settings(BaseSettings):
         if self.tensor_parallel_size > 1 and self.workers > 1:
             raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} and workers {self.workers}: "
                              "a tensor-parallel model is served by one worker; use one or the other")
+        return self
+
+    @model_validator(mode="after")
+    def _fronts_need_the_engine_process(self) -> Settings:
+        if self.api_server_count > 1 and not device_default(self, "engine_process"):
+            raise ValueError(f"api_server_count {self.api_server_count} needs the engine in a process of its own, "
+                             f"which is off{' on CPU by default' if self.engine_process is None else ''}: add "
+                             "--engine-process")
         return self
 
     @model_validator(mode="after")

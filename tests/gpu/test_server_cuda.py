@@ -17,8 +17,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 SMALL = Shape("llama", 256, 4, 4, 2, 64, 512, 49152, 10000.0)  # the soak's token ids fit its vocabulary
 
 
-@pytest.mark.parametrize("flags", [[], ["--no-async-scheduling"], ["--no-engine-process", "--no-async-scheduling"]],
-                         ids=["default", "no-async-scheduling", "one-process"])
+@pytest.mark.parametrize("flags", [[], ["--no-async-scheduling"], ["--no-engine-process", "--no-async-scheduling"],
+                                   ["--api-server-count", "2"]],
+                         ids=["default", "no-async-scheduling", "one-process", "two-http-processes"])
 def test_a_cuda_server_under_128_clients_leaves_nothing_behind(tmp_path, flags) -> None:
     model = write_model_dir(SMALL, tmp_path / "model", device="cuda")
     srv = start_server(tmp_path, "--model", str(model.path), "--device", "cuda", "--served-model-name", soak.MODEL,

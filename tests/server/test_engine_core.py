@@ -9,7 +9,8 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from server.engine_core import _EngineSide
+from server.engine_core import _EngineSide, serve_pipes
+from server.response_store import ResponseStore
 from server.generation import Generation, GenerationFailed
 from server.grammar import GrammarCompiler, GrammarSpec
 from server.sampling import SamplingParams
@@ -49,7 +50,7 @@ def _serve(grammars: GrammarCompiler, messages: list[list[tuple]], *, submitted:
     here, there = multiprocessing.Pipe()
     pool = RecordingPool()
     side = _EngineSide(there)
-    serving = threading.Thread(target=side.serve, args=(SimpleNamespace(pool=pool, grammars=grammars),))
+    serving = threading.Thread(target=serve_pipes, args=(SimpleNamespace(pool=pool, grammars=grammars), side, []))
     serving.start()
     for batch in messages:
         here.send(batch)
@@ -93,3 +94,36 @@ def test_a_grammar_that_fails_to_compile_answers_with_a_400_event(grammars: Gram
     assert kind == "events" and wire[0][0] == 3
     assert isinstance(wire[0][1], GenerationFailed) and wire[0][1].status == 400
     assert replies[-1] == ("stopped",)
+
+
+def test_an_http_process_that_leaves_has_its_generations_cancelled_and_the_engine_serves_on(
+        grammars: GrammarCompiler) -> None:
+    """Two pipes (the main HTTP process's and another's, sharing one response store): the other's departure
+    cancels what came through it and nothing else; both read and write the one store; the main pipe's stop stops
+    the pool."""
+    main_here, main_there = multiprocessing.Pipe()
+    front_here, front_there = multiprocessing.Pipe()
+    pool, store = RecordingPool(), ResponseStore(max_items=8, max_age=60)
+    main, front = _EngineSide(main_there, store), _EngineSide(front_there, store)
+    serving = threading.Thread(target=serve_pipes, args=(SimpleNamespace(pool=pool, grammars=grammars), main,
+                                                          [front]))
+    serving.start()
+    main_here.send([("generate", 0, _spec(None))])
+    front_here.send([("generate", 0, _spec(None)), ("store", 5, "put", "resp_1", {"text": "hi"})])
+    assert front_here.poll(30) and front_here.recv() == ("stored", 5, None)
+    main_here.send([("store", 9, "get", "resp_1", None)])
+    assert main_here.poll(30) and main_here.recv() == ("stored", 9, {"text": "hi"})
+    deadline = time.monotonic() + 30
+    while len(pool.submitted) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    by_side = {id(gen.sink): gen for gen in pool.submitted}
+    front_here.close()  # that HTTP process is gone
+    while not by_side[id(front)].cancelled and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert by_side[id(front)].cancelled and not by_side[id(main)].cancelled
+    assert not pool.stopped.is_set()
+    main_here.send([("stats",)])
+    assert main_here.poll(30) and main_here.recv() == ("stats", {"running": 2})
+    main_here.send([("stop",)])
+    serving.join(30)
+    assert pool.stopped.is_set() and main_here.recv() == ("stopped",)
