@@ -121,13 +121,13 @@ class _EngineSide:
             sub = self._subs.get(payload[0])
             if sub is not None:
                 (self._paused.add if payload[1] else self._paused.discard)(sub)
-        elif kind == "stats":
-            self.send(("stats", state.pool.stats()))
+        elif kind == "stats":  # (call id)
+            self.send(("reply", payload[0], state.pool.stats()))
         elif kind == "store":  # (call id, "get" | "put" | "delete", key, value)
             call, op, key, value = payload
             with _STORE_LOCK:
                 result = self._store.put(key, value) if op == "put" else getattr(self._store, op)(key)
-            self.send(("stored", call, result))
+            self.send(("reply", call, result))
 
     def _generation(self, spec: dict[str, Any], grammars: GrammarCompiler) -> Generation | GenerationFailed:
         grammar = spec.pop("grammar")

@@ -39,7 +39,7 @@ from .worker import queue_full_error, worker_failed_error
 
 log = logging.getLogger("emberserve.engine_process")
 STOP_TIMEOUT_S = 30.0    # for the engine process to stop its workers and exit, then it is killed
-STATS_TIMEOUT_S = 5.0    # for an answer to a stats request; past it, the last answer
+CALL_TIMEOUT_S = 5.0     # for the engine's answer to a call (stats, the response store)
 BACKLOG_POLL_S = 0.05    # how often a paused reader's backlog is looked at again
 _SIZE = struct.Struct("!i")      # multiprocessing.Connection's framing: a message's length, then its pickle
 _BIG_SIZE = struct.Struct("!Q")  # after a length of -1, for a message of 2 GiB or more
@@ -88,8 +88,7 @@ class EngineClient:
         self._paused: dict[int, Submission] = {}     # told to wait for their reader
         self._backlog_check: asyncio.TimerHandle | None = None
         self._stats: dict[str, Any] = {}
-        self._stats_reply: asyncio.Future[None] | None = None
-        self._store_calls: dict[int, asyncio.Future[Any]] = {}
+        self._calls: dict[int, asyncio.Future[Any]] = {}  # asked of the engine, not answered yet: by call id
         self._stopping = False
 
     def wait_ready(self) -> ServedModel:
@@ -171,28 +170,31 @@ class EngineClient:
         return self._stats
 
     async def refresh_stats(self) -> None:
-        """Ask the engine for its stats now and wait for them (past STATS_TIMEOUT_S, the last answer stays)."""
+        """Ask the engine for its stats now and wait for them (unanswered or gone: the last answer stays)."""
         if self._transport is None or self.failure is not None:
             return
-        if self._stats_reply is None or self._stats_reply.done():
-            self._stats_reply = self._loop.create_future()
-            self._send(("stats",))
-        with suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(self._stats_reply), STATS_TIMEOUT_S)
+        with suppress(TimeoutError, APIError):
+            self._stats = await self._call("stats")
 
     async def store_call(self, op: str, key: str, value: Any = None) -> Any:
         """`op` ("get", "put", "delete") on the engine process's response store, which every HTTP process shares."""
         if self.failure is not None:
             raise worker_failed_error()
-        call = next(self._ids)
-        reply = self._store_calls[call] = self._loop.create_future()
-        self._send(("store", call, op, key, value))
         try:
-            return await asyncio.wait_for(reply, STATS_TIMEOUT_S)
+            return await self._call("store", op, key, value)
         except TimeoutError:
             raise APIError(503, "the engine process did not answer in time; retry", code="engine_busy") from None
+
+    async def _call(self, kind: str, *args: Any) -> Any:
+        """Ask the engine (`kind` with `args`) and wait for its answer: TimeoutError past CALL_TIMEOUT_S, the
+        failure's APIError when the engine goes away meanwhile."""
+        call = next(self._ids)
+        reply = self._calls[call] = self._loop.create_future()
+        self._send((kind, call, *args))
+        try:
+            return await asyncio.wait_for(reply, CALL_TIMEOUT_S)
         finally:
-            self._store_calls.pop(call, None)
+            self._calls.pop(call, None)
 
     # ---- the HTTP process's side of the wire, all on the event loop ----
     def _send(self, message: tuple[Any, ...]) -> None:
@@ -238,16 +240,12 @@ class EngineClient:
         self._send(("cancel", gid))
 
     def _received(self, message: tuple[Any, ...]) -> None:
-        """A message from the engine: a step's events, the stats, the engine's failure."""
+        """A message from the engine: a step's events, the answer to a call, the engine's failure."""
         kind, *payload = message
         if kind == "events":
             self._dispatch(payload[0])
-        elif kind == "stats":
-            self._stats = payload[0]
-            if self._stats_reply is not None and not self._stats_reply.done():
-                self._stats_reply.set_result(None)
-        elif kind == "stored":
-            reply = self._store_calls.get(payload[0])
+        elif kind == "reply":
+            reply = self._calls.get(payload[0])
             if reply is not None and not reply.done():
                 reply.set_result(payload[1])
         elif kind == "failed":
@@ -255,7 +253,7 @@ class EngineClient:
 
     def _dispatch(self, wire: list[tuple[int, Any]]) -> None:
         elsewhere: dict[asyncio.AbstractEventLoop, list[tuple[Submission, Any]]] = {}
-        arrived: dict[int, int] = {}
+        arrived: set[int] = set()
         for gid, item in wire:
             sub = self._live.get(gid)
             if sub is None:
@@ -265,7 +263,7 @@ class EngineClient:
                 self._forget(gid)
             else:
                 self._waiting.discard(gid)
-                arrived[gid] = arrived.get(gid, 0) + 1
+                arrived.add(gid)
             if sub.loop is self._loop:
                 sub.channel.put_nowait((sub, event))
             else:  # a submission made on another event loop
@@ -293,9 +291,7 @@ class EngineClient:
 
     def _lost(self) -> None:
         """The pipe closed: the engine stopped, or died."""
-        if self._stats_reply is not None and not self._stats_reply.done():
-            self._stats_reply.set_result(None)
-        for reply in self._store_calls.values():
+        for reply in self._calls.values():
             if not reply.done():
                 reply.set_exception(worker_failed_error())
         if self._stopping:

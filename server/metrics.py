@@ -21,14 +21,6 @@ from .request_context import RequestRecord
 
 PREFIX = "emberserve:"
 MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's: where every process writes its metrics
-
-
-def share_metrics_across_processes(directory: str) -> None:
-    """From now on this process's metrics live in files under `directory`, which every HTTP process in front of one
-    engine writes and a scrape of any of them sums (prometheus_client's multiprocess mode; set before the metrics
-    are made, and inherited by the processes started after it)."""
-    os.environ[MULTIPROCESS_ENV] = directory
-    values.ValueClass = values.get_value_class()  # chosen by prometheus_client when first imported
 FINISH_REASONS = ("stop", "length", "abort")
 # vLLM's buckets, so quantiles read the same on its dashboards; ITL adds finer ones below vLLM's 10 ms, where small
 # models decode.
@@ -38,6 +30,15 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15
                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
+
+
+def share_metrics_across_processes(directory: str) -> None:
+    """From now on this process's metrics live in files under `directory`, which every HTTP process in front of one
+    engine writes and a scrape of any of them sums (prometheus_client's multiprocess mode; set before the metrics
+    are made, and inherited by the processes started after it)."""
+    os.environ[MULTIPROCESS_ENV] = directory
+    values.ValueClass = values.get_value_class()  # chosen by prometheus_client when first imported
+
 
 PoolStats = Callable[[], dict[str, Any] | None]
 

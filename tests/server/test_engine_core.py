@@ -110,9 +110,9 @@ def test_an_http_process_that_leaves_has_its_generations_cancelled_and_the_engin
     serving.start()
     main_here.send([("generate", 0, _spec(None))])
     front_here.send([("generate", 0, _spec(None)), ("store", 5, "put", "resp_1", {"text": "hi"})])
-    assert front_here.poll(30) and front_here.recv() == ("stored", 5, None)
+    assert front_here.poll(30) and front_here.recv() == ("reply", 5, None)
     main_here.send([("store", 9, "get", "resp_1", None)])
-    assert main_here.poll(30) and main_here.recv() == ("stored", 9, {"text": "hi"})
+    assert main_here.poll(30) and main_here.recv() == ("reply", 9, {"text": "hi"})
     deadline = time.monotonic() + 30
     while len(pool.submitted) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -122,8 +122,8 @@ def test_an_http_process_that_leaves_has_its_generations_cancelled_and_the_engin
         time.sleep(0.01)
     assert by_side[id(front)].cancelled and not by_side[id(main)].cancelled
     assert not pool.stopped.is_set()
-    main_here.send([("stats",)])
-    assert main_here.poll(30) and main_here.recv() == ("stats", {"running": 2})
+    main_here.send([("stats", 11)])
+    assert main_here.poll(30) and main_here.recv() == ("reply", 11, {"running": 2})
     main_here.send([("stop",)])
     serving.join(30)
     assert pool.stopped.is_set() and main_here.recv() == ("stopped",)
