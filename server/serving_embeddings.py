@@ -97,6 +97,9 @@ class EmbeddingServing:
                 if not item:
                     raise invalid(f"input[{i}] is an empty string", param="input")
                 ids = self.tokenizer.encode(item)
+                if not ids:  # only characters the tokenizer drops (control characters, for some models)
+                    raise invalid(f"input[{i}] has no tokens: nothing in it is kept by this model's tokenizer",
+                                  param="input")
             else:
                 if not item:
                     raise invalid(f"input[{i}] is an empty list of token ids", param="input")

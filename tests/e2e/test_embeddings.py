@@ -134,6 +134,16 @@ def test_an_embedding_model_answers_no_generation(minilm_client: openai.OpenAI) 
 
 # ---- a decoder with --embeddings ----
 
+def test_a_text_the_tokenizer_keeps_nothing_of_gets_a_400(server, smollm) -> None:
+    """SmolLM2's tokenizer drops a lone control character and adds no BOS: such an input has no tokens to pool
+    (found by the OpenAPI fuzz test: it was a 500 from the worker's step)."""
+    assert smollm.tokenizer.encode("\x13") == []
+    with pytest.raises(openai.BadRequestError) as e:
+        _client(server).embeddings.create(model=SMOLLM, input=["fine", "\x13"])
+    assert e.value.body["param"] == "input" and "input[1] has no tokens" in e.value.body["message"]
+    assert _client(server).embeddings.create(model=SMOLLM, input=["fine"]).data  # and the worker goes on
+
+
 def _engine_reference(runner, text: str, pooling: str) -> np.ndarray:
     """What the server should answer, from the engine's final-norm hidden states over the whole prompt (the input of
     the LM head when every position's logits are asked for)."""
