@@ -106,10 +106,11 @@ def health(http: httpx.Client) -> dict[str, Any]:
 # ---- comparing two servers' answers ----
 
 def assert_same(got: Any, expected: Any, path: str = "") -> None:
-    """Equal, floats (logprobs) to 1e-5: the two servers run the same float32 engine, but a prompt one of them has
-    cached computes from its cached blocks."""
+    """Equal, floats (logprobs) to 1e-4: the two servers run the same float32 engine, but a prompt one of them has
+    cached computes from its cached blocks, in another order of float32 sums (CI saw 1.1e-5 apart); a logprob sent
+    for the wrong token or position is off by far more."""
     if isinstance(expected, float) and isinstance(got, float):
-        assert math.isclose(got, expected, rel_tol=0, abs_tol=1e-5), f"{path}: {got} != {expected}"
+        assert math.isclose(got, expected, rel_tol=0, abs_tol=1e-4), f"{path}: {got} != {expected}"
     elif isinstance(expected, dict) and isinstance(got, dict):
         assert got.keys() == expected.keys(), f"{path}: keys {sorted(got)} != {sorted(expected)}"
         for key in expected:
