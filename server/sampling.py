@@ -496,11 +496,17 @@ def _fill_logprobs(logits: torch.Tensor, samplers: Sequence[SequenceSampler], to
     if not rows:
         return
     index, raw = _rows(logits, rows)
-    logp = torch.log_softmax(raw.float().nan_to_num(nan=-math.inf, neginf=-math.inf), -1)
-    chosen = logp.gather(1, (tokens if index is None else tokens[index])[:, None])[:, 0]
-    n = min(max(samplers[i].params.top_logprobs for i in rows), logp.shape[1])
-    top_vals, top_ids = logp.topk(n, -1)
-    # Only a row without a finite logit has NaN here (log_softmax of all -inf).
+    raw = raw.float().nan_to_num(nan=-math.inf, neginf=-math.inf)  # +inf: the largest float, as log_softmax has it
+    # Shifted by the row's largest logit (exact for the top tokens, however large), then normalised by logsumexp, not
+    # log_softmax: torch's CPU log_softmax sums float32 exponentials with a bias that grows with the vocabulary
+    # (2.7e-4 off for a 262,144-token row); and only the chosen and top tokens' logprobs are needed.
+    raw = raw - raw.amax(-1, keepdim=True)
+    norm = raw.logsumexp(-1, keepdim=True)
+    chosen = (raw.gather(1, (tokens if index is None else tokens[index])[:, None]) - norm)[:, 0]
+    n = min(max(samplers[i].params.top_logprobs for i in rows), raw.shape[1])
+    top_vals, top_ids = raw.topk(n, -1)
+    top_vals -= norm
+    # Only a row without a finite logit has NaN here (-inf - -inf).
     chosen, top_vals = chosen.nan_to_num(nan=-math.inf).tolist(), top_vals.nan_to_num(nan=-math.inf).tolist()
     top_ids = top_ids.tolist()
     for j, i in enumerate(rows):

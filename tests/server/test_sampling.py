@@ -404,6 +404,19 @@ def test_logprobs_are_the_raw_log_softmax_with_sorted_alternatives() -> None:
     assert out[2].token != logits[2].argmax()  # the penalty moved the choice; the logprob stays raw
 
 
+def test_logprobs_of_a_large_flat_vocabulary_are_the_float64_ones() -> None:
+    """One logit of 2 among 262,143 zeros (gemma3's vocabulary; found by tests/server/test_sampling_fuzz.py): torch's
+    CPU log_softmax in float32 is 2.7e-4 off here, the float64 reference is what is sent."""
+    vocab = 262_144
+    logits = torch.zeros(1, vocab)
+    logits[0, 0] = 2.0
+    out = sample_batch(logits, [sampler(vocab, temperature=0, logprobs=True, top_logprobs=2)])[0]
+    expected = torch.log_softmax(logits.double(), -1)[0]
+    assert out.token == 0 and out.logprob == pytest.approx(expected[0].item(), abs=1e-5)
+    assert [t for t, _ in out.top_logprobs][0] == 0
+    assert [v for _, v in out.top_logprobs] == pytest.approx([expected[0].item(), expected[1].item()], abs=1e-5)
+
+
 # --- the inverse CDF ----------------------------------------------------------------------------------------
 
 def test_inverse_cdf_matches_a_float64_reference_and_never_picks_zero_weight() -> None:
