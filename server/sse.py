@@ -9,7 +9,7 @@ from contextlib import aclosing
 from typing import Any
 
 from sse_starlette.event import ServerSentEvent
-from sse_starlette.sse import EventSourceResponse
+from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
 from .errors import APIError, count, internal_error
@@ -17,69 +17,107 @@ from .errors import APIError, count, internal_error
 log = logging.getLogger("emberserve.serving")
 DONE = "[DONE]"
 PING_SECONDS = 15  # keep-alive comments for proxies; the client ignores lines starting with ':'
+TICK_SECONDS = 1.0  # how often a stream looks for a stalled send or a due ping (at most)
 
 
-class _EventStream(EventSourceResponse):
-    """An event stream that ends well however it ends.
+class _EventStream(StreamingResponse):
+    """An event stream that ends well however it ends, with one helper task a stream.
 
-    - `on_close` runs whatever ends the response: finished, failed, cut for a slow client, or cancelled by a
-      disconnect before the event iterator ever ran (when the iterator's own cleanup never runs).
+    - `on_close` runs whatever ends the response: finished, failed, cut for a slow client, left by the client, or
+      cancelled before the event iterator ever ran (when the iterator's own cleanup never runs).
+    - A client that goes away is noticed at once, also while no event is due (a task waits for uvicorn's
+      `http.disconnect`): the stream's task is cancelled, which closes the iterator and so cancels its generations.
     - An unexpected failure of the producer ends the stream with an error event and [DONE]: the 200 and the first
       events are sent by then, so the exception handlers cannot answer for it, and without this the connection
       would just drop (a truncated stream instead of an error).
     - A send that waits longer than `stall_timeout` seconds (a client that stopped reading) cuts the stream.
+    - After PING_SECONDS with nothing sent, a comment line keeps proxies from closing an idle connection.
+
+    Not sse-starlette's EventSourceResponse, which runs four tasks in an anyio task group for every stream (the
+    events, pings, uvicorn's exit signal, the disconnect): their start and cancellation were a quarter of the HTTP
+    process's CPU per streamed request (bench/http_cost.py; bench/RESULTS.md, issue 13). uvicorn's own shutdown
+    (timeout_graceful_shutdown, server/cli.py) ends streams left open when the server stops.
     """
 
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None], stall_timeout: float | None,
-                 **kwargs: Any) -> None:
-        super().__init__(events, **kwargs)
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[Any], on_close: Callable[[], None], stall_timeout: float | None) -> None:
+        super().__init__(events, headers={"Cache-Control": "no-cache", "Connection": "keep-alive",
+                                          "X-Accel-Buffering": "no"})
         self._on_close, self._stall_timeout = on_close, stall_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self.body_iterator = _guarded(self.body_iterator, scope)
         loop = asyncio.get_running_loop()
-        stalled_since: float | None = None  # when the send under way began
-        cut = False
+        task = asyncio.current_task()
+        assert task is not None
+        sending_since: float | None = None  # when the send under way began
+        last_sent = loop.time()
+        ended = gone = cut = False
+        ping: asyncio.Task[None] | None = None
 
         async def timed_send(message: Message) -> None:
-            nonlocal stalled_since
-            stalled_since = loop.time()
+            nonlocal sending_since, last_sent
+            sending_since = loop.time()
             try:
                 await send(message)
             finally:
-                stalled_since = None
+                sending_since, last_sent = None, loop.time()
 
-        async def watchdog(task: asyncio.Task, timeout: float) -> None:
-            # One timer a stream rather than sse-starlette's cancel scope around every send: at a few hundred
-            # streams that scope was a seventh of the event loop's time.
-            nonlocal cut
-            while True:
-                await asyncio.sleep(min(1.0, timeout / 4))
-                if stalled_since is not None and loop.time() - stalled_since > timeout:
-                    cut = True
-                    task.cancel()
-                    return
+        async def listen() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if not ended:
+                gone = True
+                task.cancel()
 
-        task = asyncio.current_task()
-        guard = None
-        if self._stall_timeout is not None and task is not None:
-            guard = asyncio.create_task(watchdog(task, self._stall_timeout))
+        async def send_ping() -> None:
+            if not ended and sending_since is None:
+                await timed_send({"type": "http.response.body", "body": b": ping\n\n", "more_body": True})
+
+        def tick() -> None:  # once a second: a stalled send, an idle stream
+            nonlocal cut, ping, timer
+            now = loop.time()
+            if ended:
+                return
+            if sending_since is not None and self._stall_timeout is not None \
+                    and now - sending_since > self._stall_timeout:
+                cut = True
+                task.cancel()
+                return
+            if sending_since is None and now - last_sent >= PING_SECONDS and (ping is None or ping.done()):
+                ping = loop.create_task(send_ping())
+            timer = loop.call_later(every, tick)
+
+        every = TICK_SECONDS if self._stall_timeout is None else min(TICK_SECONDS, self._stall_timeout / 4)
+        listener = loop.create_task(listen())
+        timer = loop.call_later(every, tick)
         try:
-            await super().__call__(scope, receive, timed_send)
+            await timed_send({"type": "http.response.start", "status": self.status_code,
+                              "headers": self.raw_headers})
+            async with aclosing(_guarded(self.body_iterator, scope)) as chunks:  # closed at once however it ends
+                async for chunk in chunks:
+                    await timed_send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if ping is not None and not ping.done():
+                await ping  # the last message must be the last sent
+            ended = True
+            await timed_send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
-            if not cut:
+            # Our own cancellations, handled: the response has started, so just close. Any other (uvicorn's at
+            # shutdown) goes on.
+            if not (cut or gone) or task.uncancel() > 0:
                 raise
-            task.uncancel()  # our own cancellation, handled: the response has started, so just close
-            log.info("the client stopped reading for %.0f s: stream cut", self._stall_timeout)
+            if cut:
+                log.info("the client stopped reading for %.0f s: stream cut", self._stall_timeout)
         finally:
-            if guard is not None:
-                guard.cancel()
+            ended = True
+            timer.cancel()
+            listener.cancel()
+            if ping is not None:
+                ping.cancel()
             self._on_close()
-
-    async def _send_with_timeout(self, send: Send, message: Message) -> None:
-        # sse-starlette wraps every send in a cancel scope for its own send timeout, which this class does not use
-        # (the watchdog above times sends instead): the scope cost more than the send itself at a chunk a token.
-        await send(message)
+        if self.background is not None:
+            await self.background()
 
 
 async def _guarded(events: AsyncIterator[Any], scope: Scope) -> AsyncIterator[bytes]:
@@ -114,13 +152,12 @@ def encode_events(item: str | dict[str, str] | list[str | dict[str, str]]) -> by
 
 
 def sse_response(events: AsyncIterator[Any], on_close: Callable[[], None],
-                 send_timeout: float | None = None) -> EventSourceResponse:
+                 send_timeout: float | None = None) -> StreamingResponse:
     """Stream each yielded string as one `data:` event; `on_close()` runs when the response ends, whatever ends it.
 
     A send that waits longer than `send_timeout` seconds (a client that stopped reading) cuts the stream.
     """
-    return _EventStream(events, on_close, send_timeout, sep="\n", ping=PING_SECONDS,
-                        headers={"Cache-Control": "no-cache"})
+    return _EventStream(events, on_close, send_timeout)
 
 
 def event_json(body: dict[str, Any]) -> str:
