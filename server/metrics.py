@@ -123,10 +123,13 @@ class ServerMetrics:
         self.generation_tokens.inc()
         self.ttft.observe(now - arrival)
 
-    def observe_token(self, previous: float, now: float) -> None:
-        """A later token of a sequence, `previous` being when its last one came."""
-        self.generation_tokens.inc()
-        self.itl.observe(now - previous)
+    def observe_tokens(self, previous: float, now: float, count: int) -> None:
+        """`count` later tokens of a sequence, made since its last one at `previous`: each observes its share of
+        the interval (a chunk of a stream interval carries several tokens, each made by a step of its own)."""
+        self.generation_tokens.inc(count)
+        interval = (now - previous) / count
+        for _ in range(count):
+            self.itl.observe(interval)
 
     def finish(self, arrival: float, now: float, reason: str) -> None:
         """A sequence that ended with `reason` (stop, length, or abort when its client left)."""
@@ -170,18 +173,20 @@ class GenerationTrack:
             self.metrics.prompt_tokens.inc(self.prompt_len)
             if self.record is not None:
                 self.record.prompt_tokens += self.prompt_len
-        i = event.index
-        for _ in event.tokens:
+        i, count = event.index, len(event.tokens)
+        if count:
             last = self.last[i]
             if last is None:
                 self.metrics.observe_first_token(self.arrival, now)
                 if self.record is not None and self.record.ttft is None:
                     self.record.ttft = now - self.arrival
+                if count > 1:  # came with the first (a reader that fell behind): no interval of their own known
+                    self.metrics.observe_tokens(now, now, count - 1)
             else:
-                self.metrics.observe_token(last, now)
+                self.metrics.observe_tokens(last, now, count)
             self.last[i] = now
         if self.record is not None:
-            self.record.output_tokens += len(event.tokens)
+            self.record.output_tokens += count
         if event.finish_reason is not None:
             self.open.discard(i)
             self._finish(now, event.finish_reason)
