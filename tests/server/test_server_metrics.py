@@ -1,4 +1,5 @@
-"""GenerationTrack: what one generation's events add to the latency histograms and token counters."""
+"""server/metrics.py's GenerationTrack (tests/e2e/test_metrics.py has the scrapes of a real server): what one generation's
+events add to the latency histograms and token counters."""
 from __future__ import annotations
 
 from types import SimpleNamespace
