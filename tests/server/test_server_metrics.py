@@ -1,4 +1,4 @@
-"""server/metrics.py's GenerationTrack (tests/e2e/test_metrics.py has the scrapes of a real server): what one generation's
+"""server/metrics.py's GenerationTrack (tests/e2e/test_metrics.py scrapes a real server's): what one generation's
 events add to the latency histograms and token counters."""
 from __future__ import annotations
 
