@@ -497,11 +497,13 @@ def _fill_logprobs(logits: torch.Tensor, samplers: Sequence[SequenceSampler], to
         return
     index, raw = _rows(logits, rows)
     raw = raw.float().nan_to_num(nan=-math.inf, neginf=-math.inf)  # +inf: the largest float, as log_softmax has it
-    # Shifted by the row's largest logit (exact for the top tokens, however large), then normalised by logsumexp, not
-    # log_softmax: torch's CPU log_softmax sums float32 exponentials with a bias that grows with the vocabulary
-    # (2.7e-4 off for a 262,144-token row); and only the chosen and top tokens' logprobs are needed.
-    raw = raw - raw.amax(-1, keepdim=True)
-    norm = raw.logsumexp(-1, keepdim=True)
+    # Not torch's log_softmax, whose CPU float32 sum drifts with the vocabulary (2.7e-4 off for a 262,144-token row):
+    # shifted by the row's largest logit (exact for the top tokens, however large), then normalised by log1p of the
+    # other tokens' summed share, so that a dominant token's logprob near 0 keeps its digits (log of a float32 sum
+    # near 1 would not). Only the chosen and top tokens' logprobs are taken.
+    top, best = raw.max(-1, keepdim=True)
+    raw = raw - top
+    norm = raw.exp().scatter_(1, best, 0.0).sum(-1, keepdim=True).log1p()
     chosen = (raw.gather(1, (tokens if index is None else tokens[index])[:, None]) - norm)[:, 0]
     n = min(max(samplers[i].params.top_logprobs for i in rows), raw.shape[1])
     top_vals, top_ids = raw.topk(n, -1)

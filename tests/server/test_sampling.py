@@ -417,6 +417,17 @@ def test_logprobs_of_a_large_flat_vocabulary_are_the_float64_ones() -> None:
     assert [v for _, v in out.top_logprobs] == pytest.approx([expected[0].item(), expected[1].item()], abs=1e-5)
 
 
+def test_the_logprob_of_a_dominant_token_keeps_its_digits() -> None:
+    """A token at 10 among five near 0: its logprob is -1.2e-4, which the log of a float32 sum near 1 gets 4e-4 off
+    relatively (found by tests/server/test_speculative_sampling.py); the float64 logprobs to 1e-6 of their size."""
+    logits = torch.randn(1, 6, generator=torch.Generator().manual_seed(1))
+    logits[0, 3] = 10.0
+    out = sample_batch(logits, [sampler(6, temperature=0, logprobs=True, top_logprobs=6)])[0]
+    expected = torch.log_softmax(logits.double(), -1)[0]
+    assert out.token == 3 and out.logprob == pytest.approx(expected[3].item(), rel=1e-6)
+    assert [v for _, v in out.top_logprobs] == pytest.approx(expected.sort(descending=True).values.tolist(), rel=1e-6)
+
+
 # --- the inverse CDF ----------------------------------------------------------------------------------------
 
 def test_inverse_cdf_matches_a_float64_reference_and_never_picks_zero_weight() -> None:
