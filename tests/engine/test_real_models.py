@@ -104,8 +104,8 @@ def test_bfloat16_runs_close_to_fp32(smollm: Runner) -> None:
 def without_vocabulary(path: Path, dest: Path) -> Path:
     """A copy of the GGUF file at `path` without its tokenizer's token, score and type arrays, and with the
     vocabulary size they implied as `<arch>.vocab_size`: the metadata entries, tensor directory and tensor bytes
-    otherwise copied byte for byte. transformers parses 262,144-entry arrays field by field, twice per load (~50 s of
-    a 2-core machine); the model needs none of them."""
+    otherwise copied byte for byte. transformers parses 262,144-entry arrays field by field, twice per load (most of
+    this test's time before; bench/RESULTS.md), and the model needs none of them."""
     data = path.read_bytes()
     cur = _Cursor(memoryview(data), path)
     cur.pos = 4
