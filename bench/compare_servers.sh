@@ -41,7 +41,7 @@ esac
 GGUF=$($PY -c "from engine import KNOWN_MODELS; print(KNOWN_MODELS['$MODEL'].path())")
 EOS=$($PY -c "
 import json, sys
-from engine.tokenizer import Tokenizer
+from engine.tokenizer.tokenizer import Tokenizer
 from engine.weights.gguf import read_gguf_metadata
 tok = Tokenizer.from_gguf_metadata(read_gguf_metadata(sys.argv[1]))
 print(json.dumps({str(t): -100 for t in sorted(tok.end_token_ids)}))" "$GGUF")

@@ -2,7 +2,7 @@
 
 Each call is timed inside a CUDA graph of 16 calls, over enough distinct weight matrices (400 MB at least) that no
 call finds its weights in L2, as in a decode step that reads every layer once. Prints µs and TB/s per shape for
-torch's linear and for the kernel with engine.gemv's tile choice; `--sweep` also times every tile in a grid and
+torch's linear and for the kernel with engine.kernels.gemv's tile choice; `--sweep` also times every tile in a grid and
 lists the fastest (what chose gemv_config).
 
     python3 bench/gemv.py [--shapes 2048x3072,2048x2048,2048x16384,8192x2048,2048x49152] [--sweep] [--json-out F]
@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine import gemv
+from engine.kernels import gemv
 
 LLAMA_1B = "2048x3072,2048x2048,2048x16384,8192x2048,2048x49152"  # (in x out): q/k/v, o, gate/up, down, LM head
 CALLS = 16

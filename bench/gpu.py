@@ -96,7 +96,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         env["triton"] = triton.__version__
     except ImportError:
         env["triton"] = None
-    from engine import paged_attention
+    from engine.kernels import paged_attention
     env["paged_attention_triton"] = paged_attention.triton_available()
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -168,7 +168,7 @@ def random_ids(n: int, vocab: int, rng: random.Random) -> list[int]:
 
 def engine_part(runner: Any, args: argparse.Namespace, budget: Budget, roofline: float | None) -> list[dict]:
     """Decode steps of `args.batches` rows through the public Runner API."""
-    from engine.batch import StepRow
+    from engine.model.batch import StepRow
 
     rng = random.Random(1)
     rows: list[dict] = []
@@ -222,7 +222,7 @@ def engine_part(runner: Any, args: argparse.Namespace, budget: Budget, roofline:
 
 def graph_replay_s(graphs: Any, rows: int, repeats: int = 20) -> float:
     """Seconds one replay of the bucket's graph takes back to back (inputs as last filled): the step's GPU time."""
-    from engine.cuda_graphs import bucket_of
+    from engine.runtime.cuda_graphs import bucket_of
 
     graph, _ = graphs._graphs[bucket_of(rows, graphs.buckets)]
     torch.cuda.synchronize()
@@ -235,7 +235,7 @@ def graph_replay_s(graphs: Any, rows: int, repeats: int = 20) -> float:
 
 def ttft_part(runner: Any, args: argparse.Namespace, budget: Budget) -> list[dict]:
     """Prefill + first token of one prompt per call (fresh random ids: no prefix-cache hit), median of repeats."""
-    from engine.batch import StepRow
+    from engine.model.batch import StepRow
 
     rng = random.Random(2)
     rows: list[dict] = []

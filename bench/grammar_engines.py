@@ -18,7 +18,7 @@ import time
 import torch
 
 from engine.registry import KNOWN_MODELS
-from engine.tokenizer import Tokenizer
+from engine.tokenizer.tokenizer import Tokenizer
 from engine.weights.gguf import read_gguf_metadata
 
 SCHEMAS = {
@@ -50,12 +50,12 @@ class LLGuidance:
         import llguidance
 
         self.llg, self.tok = llguidance, tok
-        from server.grammar import _llguidance_tokenizer  # the server's own view of the vocabulary
+        from server.grammar.compiler import _llguidance_tokenizer
 
         self.lltok = _llguidance_tokenizer(tok)
 
     def compile(self, schema: dict | None) -> object:
-        from server.grammar import JSON_FORMAT
+        from server.grammar.compiler import JSON_FORMAT
 
         g = (self.llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_FORMAT)
              if schema is not None else self.llg.grammar_from("json_schema", '{"type": "object"}'))

@@ -16,8 +16,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.quant import Int4Linear, Int8Linear, quantize_4bit, quantize_int8
-from engine.quant_dot import Int4DotLinear, Int8DotLinear, dot_kernels_serve
+from engine.model.quant import Int4Linear, Int8Linear, quantize_4bit, quantize_int8
+from engine.model.quant.dot import Int4DotLinear, Int8DotLinear, dot_kernels_serve
 
 SHAPES = {"qkv 576->960": (960, 576), "o 576->576": (576, 576), "gate_up 576->3072": (3072, 576),
           "down 1536->576": (576, 1536), "head 576->49152": (49152, 576)}

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from engine import load_runner
-from engine.quality import compare
+from engine.runtime.quality import compare
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
 MODES = {"int4": dict(quant="int4"), "int8": dict(quant="int8"), "none-bf16": dict(quant="none", dtype="bfloat16")}

@@ -20,11 +20,11 @@ import time
 import torch
 
 from engine import load_runner
-from engine.batch import StepRow
-from engine.cuda_graphs import StepStaging, table_width
-from server.generation import Generation
-from server.sampling import SamplingParams
-from server.scheduler import Scheduler
+from engine.model.batch import StepRow
+from engine.runtime.cuda_graphs import StepStaging, table_width
+from server.scheduling.generation import Generation
+from server.sampling.sampler import SamplingParams
+from server.scheduling.scheduler import Scheduler
 
 
 class InstantRunner:

@@ -5,10 +5,10 @@ import argparse
 import sys
 import time
 
-from . import available_models, load_runner
-from .errors import EngineError
-from .quant import QUANT_MODES
-from .registry import DEFAULT_MODEL
+from engine import available_models, load_runner
+from engine.errors import EngineError
+from engine.model.quant import QUANT_MODES
+from engine.registry import DEFAULT_MODEL
 
 
 def _models(_: argparse.Namespace) -> int:

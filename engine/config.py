@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .errors import UnsupportedModelError
+from engine.errors import UnsupportedModelError
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
 _HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3", "gemma3": "gemma3"}

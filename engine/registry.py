@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import ENCODER_FAMILIES
-from .errors import ModelNotInstalledError
+from engine.config import ENCODER_FAMILIES
+from engine.errors import ModelNotInstalledError
 
 
 def _package_file(module: str, filename: str) -> Path | None:

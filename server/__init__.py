@@ -5,12 +5,13 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-# The Python API, imported on first use: `import server.settings` (the CLI, the tests) need not load the app.
+# The Python API, imported on first use: `import server.config.settings` (the CLI, the tests) need not load the app.
 _PUBLIC = {
-    "Generator": "generator", "GenerationConfig": "generator", "GeneratedText": "generator",
-    "GenerationError": "generator", "StreamedToken": "generator", "GeneratorBuilder": "generator_builder",
-    "SyncGenerator": "sync_generator", "available_models": "model_catalog", "suggested_models": "model_catalog",
-    "is_generator_model": "model_catalog", "PRESETS": "presets", "Preset": "presets",
+    "Generator": "generator.generator", "GenerationConfig": "generator.generator",
+    "GeneratedText": "generator.generator", "GenerationError": "generator.generator",
+    "StreamedToken": "generator.generator", "GeneratorBuilder": "generator.builder", "SyncGenerator": "generator.sync",
+    "available_models": "config.model_catalog", "suggested_models": "config.model_catalog",
+    "is_generator_model": "config.model_catalog", "PRESETS": "config.presets", "Preset": "config.presets",
 }
 __all__ = ["__version__", *_PUBLIC]
 

@@ -1,6 +1,6 @@
 """`python -m server` is the `emberserve` command."""
 import sys
 
-from .cli import main
+from server.launch.cli import main
 
 sys.exit(main())

@@ -14,8 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .protocol import ErrorDetail, ErrorResponse
-from .protocol_anthropic import AnthropicError, AnthropicErrorResponse
+from server.api.openai.protocol import ErrorDetail, ErrorResponse
+from server.api.anthropic.protocol import AnthropicError, AnthropicErrorResponse
 
 log = logging.getLogger("emberserve")
 

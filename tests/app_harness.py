@@ -8,8 +8,8 @@ from typing import Any
 
 import httpx
 
-from server.app import create_app
-from server.settings import Settings
+from server.api.app import create_app
+from server.config.settings import Settings
 
 
 def run_app(settings: Settings, scenario: Callable[[httpx.AsyncClient, Any], Awaitable[None]]) -> None:

@@ -1,7 +1,7 @@
 """Random problems for engine/fused_kernels.py at the shapes of the models we serve, shared by
 tests/engine/test_fused_kernels.py (Triton's interpreter) and tests/gpu/test_fused_kernels_cuda.py (CUDA).
 
-A problem is the keyword arguments of one public call; the expected result is `engine.fused_kernels_torch` (the
+A problem is the keyword arguments of one public call; the expected result is `engine.kernels.fused_torch` (the
 ops the decoder blocks run today) on a copy of it. Cache slots no token writes hold POISON, so a stray write shows.
 What must match bit for bit (see `check`): residual sums, cached values, and rope without q/k norms in 16-bit
 dtypes (every product there is exact in float32 and every rounding point is torch's); the rest within an ulp of
@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from engine import fused_kernels_torch
-from engine.layers import rope_cos_sin
+from engine.kernels import fused_torch as fused_kernels_torch
+from engine.model.layers import rope_cos_sin
 
 POISON = 1000.0
 EPS = 1e-6

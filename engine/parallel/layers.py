@@ -9,8 +9,8 @@ stream that a CUDA graph captures, with no host synchronisation inside a step.
 import torch
 from torch import Tensor, nn
 
-from ..config import ModelConfig
-from .sharding import Shard
+from engine.config import ModelConfig
+from engine.parallel.sharding import Shard
 
 
 def all_reduce(x: Tensor, group: str) -> Tensor:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..batch import ForwardBatch
+from engine.model.batch import ForwardBatch
 
 MODE_STOP, MODE_LOGITS, MODE_HIDDEN = 0, 1, 2
 _DTYPES = (torch.int64, torch.int32, torch.bool)  # the dtypes of ForwardBatch's tensors: exact in int64

@@ -24,13 +24,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..batch import ForwardBatch
-from .messages import MODE_HIDDEN, MODE_STOP, StepMessage, receive_step, send_step
+from engine.model.batch import ForwardBatch
+from engine.parallel.messages import MODE_HIDDEN, MODE_STOP, StepMessage, receive_step, send_step
 
 if TYPE_CHECKING:
-    from ..loader import LoadOptions
-    from ..runner import Runner
-    from ..weights import Progress
+    from engine.loader.load import LoadOptions
+    from engine.runtime.runner import Runner
+    from engine.weights import Progress
 
 log = logging.getLogger("emberserve.engine")
 
@@ -198,7 +198,7 @@ def _wait_joined(store: dist.Store, processes: list[mp.Process]) -> None:
 
 def launch_ranks(options: LoadOptions, size: int, progress: Progress) -> Runner:
     """Rank 0's runner of a model split over `size` ranks, the other ranks spawned and serving."""
-    from ..loader import build_runner
+    from engine.loader.load import build_runner
 
     device = rank_device(torch.device(options.device), 0)
     if device.type == "cuda":
@@ -251,8 +251,8 @@ def _exit_with_parent(parent: int) -> None:
 
 def _rank_main(options: LoadOptions, rank: int, size: int, port: int, parent: int) -> None:
     """A spawned rank: meet the others, load this rank's share, then run rank 0's steps until it says stop."""
-    from ..loader import build_runner
-    from ..weights import no_progress
+    from engine.loader.load import build_runner
+    from engine.weights import no_progress
 
     _exit_with_parent(parent)
     logging.basicConfig(level=logging.WARNING, format=f"tensor-parallel rank {rank}: %(levelname)s %(message)s")

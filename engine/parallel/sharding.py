@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import ModelConfig
-from ..errors import UnsupportedModelError
-from ..layers import Linear
-from ..quant import GROUP_SIZE, Affine4Bit
+from engine.config import ModelConfig
+from engine.errors import UnsupportedModelError
+from engine.model.layers import Linear
+from engine.model.quant import GROUP_SIZE, Affine4Bit
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ import numpy as np
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
-from ..errors import UnsupportedModelError
-from ..quant import GROUP_SIZE, Affine4Bit
+from engine.errors import UnsupportedModelError
+from engine.model.quant import GROUP_SIZE, Affine4Bit
 
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:

@@ -7,12 +7,12 @@ from typing import Any
 
 import torch
 
-from ..config import ModelConfig, config_from_gguf
-from ..errors import UnsupportedModelError
-from ..quant import Affine4Bit
-from . import Progress, no_progress
-from .dequant import affine_4bit, dequantize
-from .gguf_format import GGUFFile, read_gguf_metadata
+from engine.config import ModelConfig, config_from_gguf
+from engine.errors import UnsupportedModelError
+from engine.model.quant import Affine4Bit
+from engine.weights import Progress, no_progress
+from engine.weights.dequant import affine_4bit, dequantize
+from engine.weights.gguf_format import GGUFFile, read_gguf_metadata
 
 __all__ = ["GGUFFile", "load_gguf", "read_gguf_metadata", "undo_llama_qk_permute"]
 

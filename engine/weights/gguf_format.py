@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ModelFormatError
+from engine.errors import ModelFormatError
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32

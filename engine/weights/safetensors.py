@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ..config import EncoderConfig, ModelConfig, config_from_hf
-from ..errors import ModelFormatError
-from . import Progress, no_progress
+from engine.config import EncoderConfig, ModelConfig, config_from_hf
+from engine.errors import ModelFormatError
+from engine.weights import Progress, no_progress
 
 # Checkpoints nest the model under different prefixes (plain, multimodal gemma3, BERT with task heads).
 _PREFIXES = ("model.language_model.", "language_model.model.", "model.", "bert.")

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from engine.registry import DEFAULT_MODEL, KNOWN_MODELS
-from server.settings import DEFAULT_PORT
+from server.config.settings import DEFAULT_PORT
 
 from server_process import ServerProcess, free_port, stop_server, wait_ready
 
@@ -275,7 +275,7 @@ def test_exposed_port_and_environment_match_the_server_defaults() -> None:
 
 def test_healthcheck_hits_health_and_entrypoint_runs_the_cli() -> None:
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert pyproject["project"]["scripts"]["emberserve"] == "server.cli:main"
+    assert pyproject["project"]["scripts"]["emberserve"] == "server.launch.cli:main"
     venv = FINAL.env["VIRTUAL_ENV"]
     for stage in TARGETS:
         check = healthcheck_command(stage)
@@ -350,7 +350,7 @@ def _seed_cpu_kernels(image: Image, image_env: dict[str, str]) -> None:
     """The image's kernel cache holding this machine's build of the CPU kernels (what `make install` compiled): the
     RUN line that builds them finds the library under the same name (same source, flags, torch and Python) instead
     of compiling it again. Compiling itself is tested by the install, not here."""
-    from engine import cpu_kernels
+    from engine.kernels import cpu as cpu_kernels
 
     cache = image_env.get("EMBERSERVE_KERNEL_CACHE")
     assert cache, "the runtime's environment names the kernel cache the builder compiled into"

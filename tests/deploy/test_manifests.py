@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import yaml
 
-from server.metrics import PREFIX as METRIC_PREFIX
-from server.settings import DEFAULT_PORT, ENV_PREFIX, Settings
+from server.api.metrics import PREFIX as METRIC_PREFIX
+from server.config.settings import DEFAULT_PORT, ENV_PREFIX, Settings
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

@@ -8,7 +8,7 @@ import openai
 import pytest
 from server_process import EXACT, ServerProcess, start_server, stop_server
 
-from engine.tokenizer import Tokenizer
+from engine.tokenizer.tokenizer import Tokenizer
 from engine.registry import KNOWN_MODELS
 from engine.weights.gguf import read_gguf_metadata
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import sys
 
-from engine.runner import Runner
-from server.cli import main
+from engine.runtime.runner import Runner
+from server.launch.cli import main
 
 CRASH_AFTER_TOKENS = 3
 

@@ -11,8 +11,8 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.app import create_app
-from server.settings import Settings
+from server.api.app import create_app
+from server.config.settings import Settings
 
 MODEL = "smollm2-135m"
 P = "emberserve:"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from server.presets import PRESETS
+from server.config.presets import PRESETS
 
 MODEL = "smollm2-135m"
 ASK = [{"role": "user", "content": "Name three colors."}]

@@ -12,10 +12,10 @@ import random
 import pytest
 import torch
 
-from engine.batch import StepRow
+from engine.model.batch import StepRow
 from engine.errors import ContextLengthError
-from engine.block_manager import NoFreeBlocks
-from engine.kv_cache import kv_bytes_per_token
+from engine.cache.block_manager import NoFreeBlocks
+from engine.cache.kv_cache import kv_bytes_per_token
 from tiny_models import assert_logits_close, hf_logits
 
 BLOCK = 16  # the runner's default block size

@@ -15,7 +15,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from engine import load_runner
-from engine.models.bert import pack_sentences
+from engine.model.bert import pack_sentences
 
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 SENTENCES = ["hello world", "a", "the quick brown fox jumps over the lazy dog", "zebra crossing", "b c d e f"]

@@ -10,7 +10,7 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from engine.block_manager import BlockManager, KVSequence, NoFreeBlocks
+from engine.cache.block_manager import BlockManager, KVSequence, NoFreeBlocks
 from engine.errors import EngineError
 
 

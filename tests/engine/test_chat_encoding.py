@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.registry import KNOWN_MODELS
-from engine.tokenizer import Tokenizer
+from engine.tokenizer.tokenizer import Tokenizer
 from engine.weights.gguf import read_gguf_metadata
 
 TINY_LLAMA2_GGUF = Path(importlib.util.find_spec("tinycoder").submodule_search_locations[0]) / "models" / "tiny.gguf"

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from engine import load_runner
-from engine.batch import StepRow, TokenFeed
-from engine.block_manager import KVSequence
-from engine.chunk_graphs import ALL_LOGITS_TOKENS, CHUNK_BUCKETS, MAX_CHUNKS, ChunkStaging, GraphStep, chunk_buckets
-from engine.cuda_graphs import bucket_of, table_width
-from engine.kv_cache import PagedKVCache
+from engine.model.batch import StepRow, TokenFeed
+from engine.cache.block_manager import KVSequence
+from engine.runtime.chunk_graphs import (ALL_LOGITS_TOKENS, CHUNK_BUCKETS, MAX_CHUNKS, ChunkStaging, GraphStep,
+    chunk_buckets)
+from engine.runtime.cuda_graphs import bucket_of, table_width
+from engine.cache.kv_cache import PagedKVCache
 from tiny_models import prompt_ids
 
 
@@ -92,7 +93,7 @@ class _Decode:
         return bool(rows) and all(r.end - r.start == 1 and r.logits == "last" for r in rows)
 
     def run(self, rows, feed=None) -> torch.Tensor:
-        """A fed row's token is feed.tokens[its source] (engine.batch.TokenFeed)."""
+        """A fed row's token is feed.tokens[its source] (engine.model.batch.TokenFeed)."""
         tokens = [r.seq.tokens[r.start] if feed is None or feed.sources[i] < 0 else int(feed.tokens[feed.sources[i]])
                   for i, r in enumerate(rows)]
         return torch.tensor([[1000.0 * t] * 3 for t in tokens])

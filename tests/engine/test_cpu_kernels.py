@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import cpu_kernels, fused_kernels
-from engine.paged_attention_torch import reference_decode, reference_prefill
+from engine.kernels import cpu as cpu_kernels, fused as fused_kernels
+from engine.kernels.paged_attention_torch import reference_decode, reference_prefill
 from fused_kernel_cases import FP16, VARIANTS, Case, build, check, copied, model_cases
 from paged_attention_cases import DECODE as DECODE_CASES
 from paged_attention_cases import OUT_FILL, TOLERANCE, Spec, claimed

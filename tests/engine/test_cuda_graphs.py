@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from engine import load_runner
-from engine.batch import StepRow
-from engine.cuda_graphs import BUCKETS, StepStaging, bucket_of, buckets_for, table_width
-from engine.kv_cache import PagedKVCache
+from engine.model.batch import StepRow
+from engine.runtime.cuda_graphs import BUCKETS, StepStaging, bucket_of, buckets_for, table_width
+from engine.cache.kv_cache import PagedKVCache
 from tiny_models import prompt_ids
 
 

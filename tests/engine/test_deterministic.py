@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import Runner, load_runner
-from engine.batch import StepRow
+from engine.model.batch import StepRow
 
 TEXT = ("The old lighthouse keeper wrote the weather in his ledger every morning: wind, swell, visibility, and the "
         "ships that passed in the night. ") * 12

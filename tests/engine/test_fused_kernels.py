@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import fused_kernels, fused_kernels_torch, layers
+from engine.kernels import fused as fused_kernels, fused_torch as fused_kernels_torch
+from engine.model import layers
 from fused_kernel_cases import EPS, VARIANTS, Case, build, check, copied, expected, model_cases
 from interpreted import run_interpreted
 

@@ -1,5 +1,5 @@
 """engine/fused_kernels_triton.py compiled for the H200 (sm_90) here, without a GPU: at the shapes of the models we
-serve and the launch parameters `engine.fused_kernels` picks, no kernel spills registers to local memory and the
+serve and the launch parameters `engine.kernels.fused` picks, no kernel spills registers to local memory and the
 rows move in 16-byte vectors. Triton ships ptxas and cuobjdump, so only triton is needed.
 
 The arguments are declared as the JIT specialises them at launch: pointers and row strides 16-divisible (torch
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import fused_kernels
+from engine.kernels import fused as fused_kernels
 from fused_kernel_cases import MODELS
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -66,7 +66,7 @@ NORMS = [(2048, True, False), (576, True, False), (1152, True, True), (8192, Tru
 @pytest.mark.parametrize("hidden,residual,sandwich", NORMS, ids=[f"h{h}-{'sandwich' if s else 'add' if r else 'plain'}"
                                                                   for h, r, s in NORMS])
 def test_norm_kernel_fits_sm90(hidden, residual, sandwich, tmp_path, monkeypatch):
-    from engine import fused_kernels_triton as kernels
+    from engine.kernels import fused_triton as kernels
 
     monkeypatch.chdir(tmp_path)
     constexprs, warps = fused_kernels.norm_config(hidden, residual, sandwich)
@@ -77,7 +77,7 @@ def test_norm_kernel_fits_sm90(hidden, residual, sandwich, tmp_path, monkeypatch
 
 @pytest.mark.parametrize("model,k_out", [(model, False) for model in MODELS] + [("gemma3-1b", True)])
 def test_rope_kernel_fits_sm90(model, k_out, tmp_path, monkeypatch):
-    from engine import fused_kernels_triton as kernels
+    from engine.kernels import fused_triton as kernels
 
     monkeypatch.chdir(tmp_path)
     s = MODELS[model]
@@ -88,7 +88,7 @@ def test_rope_kernel_fits_sm90(model, k_out, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("model", list(MODELS))
 def test_activation_kernel_fits_sm90(model, tmp_path, monkeypatch):
-    from engine import fused_kernels_triton as kernels
+    from engine.kernels import fused_triton as kernels
 
     monkeypatch.chdir(tmp_path)
     s = MODELS[model]

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import gemv, layers
+from engine.kernels import gemv
+from engine.model import layers
 from interpreted import run_interpreted
 
 # (in, out, bias, dtype): every tile choice of gemv_config, inputs that no tile divides (masked loads), outputs

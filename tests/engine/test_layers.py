@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine.config import RopeConfig
-from engine.layers import DENSE_ROW_BUCKET, rope_inv_freq, rope_lookup, rope_table, tiled_matmul
+from engine.model.layers import DENSE_ROW_BUCKET, rope_inv_freq, rope_lookup, rope_table, tiled_matmul
 
 
 @pytest.mark.parametrize("inner", [576, 1536, 4096])

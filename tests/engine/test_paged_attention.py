@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import paged_attention
-from engine.paged_attention_torch import reference_decode, reference_prefill
+from engine.kernels import paged_attention
+from engine.kernels.paged_attention_torch import reference_decode, reference_prefill
 from interpreted import run_interpreted
 from paged_attention_cases import DECODE, OUT_FILL, PREFILL, TOLERANCE, Spec, build, claimed
 

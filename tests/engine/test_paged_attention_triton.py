@@ -1,5 +1,5 @@
 """engine/paged_attention_triton.py compiled for the H200 (sm_90) here, without a GPU: at the shapes of the models
-we serve and the launch parameters `engine.paged_attention` picks, no kernel spills registers to local memory and
+we serve and the launch parameters `engine.kernels.paged_attention` picks, no kernel spills registers to local memory and
 the key loops are software-pipelined (cp.async). Triton ships ptxas and cuobjdump, so only triton is needed.
 
 The integer arguments are declared as the JIT specialises them at launch: pointers and strides 16-divisible (torch
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import paged_attention
+from engine.kernels import paged_attention
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
@@ -59,7 +59,7 @@ def _compile(kernel, constexprs: dict, warps: int, dtype: str):
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("segments", [1, 8])
 def test_decode_kernel_fits_sm90(model, segments, tmp_path, monkeypatch):
-    from engine import paged_attention_triton as kernels
+    from engine.kernels import paged_attention_triton as kernels
 
     monkeypatch.chdir(tmp_path)
     heads, kv_heads, head_dim, window = MODELS[model]
@@ -74,7 +74,7 @@ def test_decode_kernel_fits_sm90(model, segments, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("model", list(MODELS))
 def test_prefill_kernel_fits_sm90(model, tmp_path, monkeypatch):
-    from engine import paged_attention_triton as kernels
+    from engine.kernels import paged_attention_triton as kernels
 
     monkeypatch.chdir(tmp_path)
     heads, kv_heads, head_dim, window = MODELS[model]

@@ -44,7 +44,7 @@ def runner_for(tiny_zoo):
     def get(variant, fmt="safetensors", gguf_type="F32"):
         key = (variant, fmt, gguf_type)
         if key not in cache:
-            from engine import load_runner  # imported here so a missing engine fails tests, not collection
+            from engine import load_runner
 
             tiny = tiny_zoo.model(variant)
             path = tiny.safetensors_dir if fmt == "safetensors" else tiny_zoo.gguf(variant, gguf_type)

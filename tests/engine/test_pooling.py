@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.pooling import pool, sentence_transformers_pooling
+from engine.runtime.pooling import pool, sentence_transformers_pooling
 
 
 def _reference(hidden: torch.Tensor, lengths: list[int], mode: str) -> torch.Tensor:

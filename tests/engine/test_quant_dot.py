@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from engine import load_runner
-from engine.quant import GROUP_SIZE, Int4Linear, Int8Linear, quantize_4bit, quantize_int8, quantized_linear
-from engine.quant_dot import (Int4DotLinear, Int8DotEmbedding, Int8DotLinear, dot_kernels_serve, int8_rows,
-                              pack_int4, unpack_int4)
+from engine.model.quant import GROUP_SIZE, Int4Linear, Int8Linear, quantize_4bit, quantize_int8, quantized_linear
+from engine.model.quant.dot import (Int4DotLinear, Int8DotEmbedding, Int8DotLinear, dot_kernels_serve, int8_rows,
+    pack_int4, unpack_int4)
 
 pytestmark = pytest.mark.skipif(not dot_kernels_serve(torch.bfloat16),
                                 reason="no AVX-512 VNNI or no compiled CPU kernels here")

@@ -19,15 +19,15 @@ from gguf.constants import GGMLQuantizationType as Q
 from gguf.quants import quantize as gguf_quantize
 
 from engine import load_runner
-from engine.loader import resolve_quant
-from engine.quality import TextScore, score_text
-from engine.quality import agreement as quality_agreement
-from engine.batch import StepRow
-from engine.batch import DENSE_MIN_ROWS
-from engine.layers import dense_matmul
-from engine.quant import (GROUP_SIZE, Affine4Bit, Int4Linear, Int8Embedding, Int8Linear, quantize_4bit, quantize_int8,
-                          quantized_linear)
-from engine.quant_dot import Int4DotLinear
+from engine.loader.load import resolve_quant
+from engine.runtime.quality import TextScore, score_text
+from engine.runtime.quality import agreement as quality_agreement
+from engine.model.batch import StepRow
+from engine.model.batch import DENSE_MIN_ROWS
+from engine.model.layers import dense_matmul
+from engine.model.quant import (GROUP_SIZE, Affine4Bit, Int4Linear, Int8Embedding, Int8Linear, quantize_4bit,
+    quantize_int8, quantized_linear)
+from engine.model.quant.dot import Int4DotLinear
 from engine.registry import KNOWN_MODELS
 from engine.weights.dequant import affine_4bit, dequantize
 from engine.weights.gguf_format import GGUFFile

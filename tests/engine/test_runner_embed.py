@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from engine import load_runner
-from engine.block_manager import NoFreeBlocks
-from engine.kv_cache import kv_bytes_per_token
+from engine.cache.block_manager import NoFreeBlocks
+from engine.cache.kv_cache import kv_bytes_per_token
 from engine.registry import KNOWN_MODELS
 
 SENTENCES = json.loads((Path(__file__).parents[1] / "data" / "embedding_sentences.json").read_text())

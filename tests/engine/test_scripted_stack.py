@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from engine import load_runner
-from engine.batch import StepRow
-from engine.layers import CPU_PAGED_DECODE
+from engine.model.batch import StepRow
+from engine.model.layers import CPU_PAGED_DECODE
 from tiny_models import VARIANTS, prompt_ids
 
 FORMATS = [("float32", "none"), ("bfloat16", "int4"), ("bfloat16", "int8")]

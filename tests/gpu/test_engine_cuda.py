@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from engine import load_runner
-from engine.batch import StepRow, TokenFeed
-from engine.block_manager import PENDING_TOKEN
-from engine.cuda_graphs import bucket_of
+from engine.model.batch import StepRow, TokenFeed
+from engine.cache.block_manager import PENDING_TOKEN
+from engine.runtime.cuda_graphs import bucket_of
 from tiny_models import VARIANTS, assert_logits_close, build_tiny_model, hf_greedy, hf_logits, prompt_ids, \
     reference_model
 
@@ -209,7 +209,7 @@ def _compiled_kernels() -> int:
     """How many specializations of the engine's Triton kernels this process has compiled."""
     import triton
 
-    from engine import fused_kernels_triton, paged_attention_triton
+    from engine.kernels import fused_triton as fused_kernels_triton, paged_attention_triton
     kernels = [k for m in (fused_kernels_triton, paged_attention_triton) for k in vars(m).values()
                if isinstance(k, triton.runtime.jit.JITFunction)]
     if not kernels or not all(hasattr(k, "device_caches") for k in kernels):

@@ -14,7 +14,7 @@ from typing import Callable
 import pytest
 import torch
 
-from engine import fused_kernels, fused_kernels_torch
+from engine.kernels import fused as fused_kernels, fused_torch as fused_kernels_torch
 from fused_kernel_cases import MODELS, VARIANTS, Case, build, check, copied, expected, model_cases
 
 pytestmark = [

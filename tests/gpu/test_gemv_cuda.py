@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import gemv, layers
+from engine.kernels import gemv
+from engine.model import layers
 from test_gemv import is_rounded_product
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -11,10 +11,10 @@ import importlib.util
 import pytest
 import torch
 
-from engine import paged_attention
-from engine.kv_cache import gather_blocks
-from engine.layers import decode_attention
-from engine.paged_attention_torch import reference_decode, reference_prefill
+from engine.kernels import paged_attention
+from engine.cache.kv_cache import gather_blocks
+from engine.model.layers import decode_attention
+from engine.kernels.paged_attention_torch import reference_decode, reference_prefill
 from paged_attention_cases import TOLERANCE, Spec, build, claimed
 
 pytestmark = [

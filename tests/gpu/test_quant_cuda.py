@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from engine import load_runner
-from engine.quant import Int4Linear, Int8Linear, kernel_dense_weights, quantize_4bit, quantized_linear
-from engine.quant_cuda import Int4CudaLinear
+from engine.model.quant import Int4Linear, Int8Linear, kernel_dense_weights, quantize_4bit, quantized_linear
+from engine.model.quant.cuda import Int4CudaLinear
 from server_process import start_server, stop_server
 from synthetic_model import Shape, write_model_dir
 from tiny_models import VARIANTS, build_tiny_model, prompt_ids

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from engine.registry import KNOWN_MODELS
-from engine.tokenizer import Tokenizer
+from engine.tokenizer.tokenizer import Tokenizer
 from engine.weights.gguf import read_gguf_metadata
-from server.grammar import CompiledGrammar, GrammarCompiler
-from server.token_bitmask import allocate_bitmask, allowed_tokens, apply_token_bitmask
+from server.grammar.compiler import CompiledGrammar, GrammarCompiler
+from server.grammar.token_bitmask import allocate_bitmask, allowed_tokens, apply_token_bitmask
 
 
 @pytest.fixture(scope="session")

@@ -9,11 +9,11 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from server.engine_core import _EngineSide, serve_pipes
-from server.response_store import ResponseStore
-from server.generation import Generation, GenerationFailed
-from server.grammar import GrammarCompiler, GrammarSpec
-from server.sampling import SamplingParams
+from server.process.engine import _EngineSide, serve_pipes
+from server.process.response_store import ResponseStore
+from server.scheduling.generation import Generation, GenerationFailed
+from server.grammar.compiler import GrammarCompiler, GrammarSpec
+from server.sampling.sampler import SamplingParams
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"]}

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from engine import Runner, load_runner
-from server.app import model_state
-from server.embedding_jobs import EmbeddingsDone
-from server.engine_wire import CacheLayout, ServedModel, decode_event, encode_event, is_final
-from server.generation import ChoiceDelta, GenerationDone, GenerationFailed, PromptLogprobs, TokenLogprob
-from server.settings import Settings
+from server.api.app import model_state
+from server.scheduling.embedding_jobs import EmbeddingsDone
+from server.process.wire import CacheLayout, ServedModel, decode_event, encode_event, is_final
+from server.scheduling.generation import ChoiceDelta, GenerationDone, GenerationFailed, PromptLogprobs, TokenLogprob
+from server.config.settings import Settings
 
 LOGPROBS = [TokenLogprob(504, -0.25, [(504, -0.25), (12, -1.5)]), TokenLogprob(7, -3.0, [(9, -0.5), (7, -3.0)])]
 DELTAS = {

@@ -16,7 +16,7 @@ from greedy_reference import Reference, spanning_stop
 
 from engine import Runner
 from server import GenerationError, Generator, SyncGenerator
-from server.presets import PRESETS
+from server.config.presets import PRESETS
 
 T = TypeVar("T")
 GREEDY = {"temperature": 0.0}

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from server.grammar import GrammarCompiler, GrammarSpec
-from server.token_bitmask import allocate_bitmask, allowed_tokens
+from server.grammar.compiler import GrammarCompiler, GrammarSpec
+from server.grammar.token_bitmask import allocate_bitmask, allowed_tokens
 
 # SmolLM2's vocabulary has no token for the bytes 0x04 or 0xF2 (its tokenizer silently drops them), so these
 # characters cannot be written; the others can, some only byte by byte.

@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from server.app import _in_own_thread
+from server.api.app import _in_own_thread
 
 
 def test_the_load_runs_on_a_new_thread_that_is_gone_afterwards() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import server
 from engine import KNOWN_MODELS
-from server.presets import PRESETS
+from server.config.presets import PRESETS
 
 
 def test_available_models_describe_every_known_model_with_the_presets_recommending_it() -> None:

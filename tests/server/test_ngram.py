@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from server.ngram import NgramIndex
+from server.speculative.ngram import NgramIndex
 
 
 def brute_force(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:

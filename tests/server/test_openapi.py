@@ -7,9 +7,9 @@ from typing import Any
 import jsonschema
 import pytest
 
-from server.app import create_app
+from server.api.app import create_app
 from server.errors import APIError
-from server.settings import Settings
+from server.config.settings import Settings
 
 ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 ANTHROPIC_ERROR_REF = {"$ref": "#/components/schemas/AnthropicErrorResponse"}

@@ -14,15 +14,15 @@ import pytest
 from greedy_reference import Reference
 from pydantic import ValidationError
 
-import server.app as server_app
+import server.api.app as server_app
 from engine import KNOWN_MODELS, Runner
-from server.cli import main
-from server.metrics import ServerMetrics
-from server.presets import PRESETS, SAMPLING_FIELDS, get_preset, presets_table
-from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.sampling import SamplingParams
-from server.serving import ModelState, OpenAIServing
-from server.settings import Settings
+from server.launch.cli import main
+from server.api.metrics import ServerMetrics
+from server.config.presets import PRESETS, SAMPLING_FIELDS, get_preset, presets_table
+from server.api.openai.protocol import ChatCompletionRequest, CompletionRequest
+from server.sampling.sampler import SamplingParams
+from server.api.serving import ModelState, OpenAIServing
+from server.config.settings import Settings
 
 MODEL = "smollm2-135m"
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -109,7 +109,7 @@ def test_emberserve_presets_lists_them_and_the_readme_has_the_table(capsys: pyte
     for preset in PRESETS.values():
         row = next(line for line in out if line.startswith(preset.name + " "))
         assert preset.model in row and f"{preset.max_tokens}" in row
-    assert presets_table() in README.read_text(), "regenerate with: python -c 'from server.presets import " \
+    assert presets_table() in README.read_text(), "regenerate with: python -c 'from server.config.presets import " \
                                                   "presets_table; print(presets_table())'"
 
 

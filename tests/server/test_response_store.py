@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.response_store import ResponseStore
+from server.process.response_store import ResponseStore
 
 
 class Clock:

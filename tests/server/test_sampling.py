@@ -10,8 +10,8 @@ import torch
 from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
-from server.sampling import (GREEDY_TEMPERATURE, SampledToken, SamplingParams,
-                             SequenceSampler, _inverse_cdf, sample_batch, sampling_probs)
+from server.sampling.sampler import (GREEDY_TEMPERATURE, SampledToken, SamplingParams, SequenceSampler, _inverse_cdf,
+    sample_batch, sampling_probs)
 
 DRAWS = 20_000
 

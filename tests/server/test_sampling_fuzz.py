@@ -16,9 +16,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server.protocol import MAX_LOGIT_BIAS, ChatCompletionRequest, OpenAIRequest
-from server.sampling import (_SHIFT_ABOVE, GREEDY_TEMPERATURE, SamplingParams, SequenceSampler, sample_batch,
-                             sampling_probs)
+from server.api.openai.protocol import MAX_LOGIT_BIAS, ChatCompletionRequest, OpenAIRequest
+from server.sampling.sampler import (_SHIFT_ABOVE, GREEDY_TEMPERATURE, SamplingParams, SequenceSampler, sample_batch,
+    sampling_probs)
 
 F32_MAX = float(np.finfo(np.float32).max)
 F32_TINY = 2.0 ** -149

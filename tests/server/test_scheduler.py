@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from engine import load_runner
-from engine.kv_cache import kv_bytes_per_token
-from server.generation import ChoiceDelta, Generation, GenerationDone
-from server.sampling import SamplingParams
-from server.scheduler import Scheduler
+from engine.cache.kv_cache import kv_bytes_per_token
+from server.scheduling.generation import ChoiceDelta, Generation, GenerationDone
+from server.sampling.sampler import SamplingParams
+from server.scheduling.scheduler import Scheduler
 
 PROMPTS = [[5 + i, 40 + 3 * i, 77, 12 + i] * (3 + i % 3) for i in range(6)]
 MAX_TOKENS = 24
@@ -123,7 +123,7 @@ def test_a_worker_steps_on_its_share_of_the_cpu_threads(tiny_path: Path) -> None
     """CPU workers split the cores (server/app.py): each sets its own intra-op threads on its own thread."""
     import torch
 
-    from server.worker import Worker
+    from server.scheduling.worker import Worker
 
     runner = load_runner(tiny_path, dtype="float32")
     seen: list[int] = []
@@ -192,7 +192,7 @@ def _greedy(prompt: list[int], max_tokens: int = MAX_TOKENS, **kw) -> Generation
 def test_a_row_past_the_context_fails_only_its_own_request(tiny_path: Path) -> None:
     """A sequence that outgrows the context (here: a generation let past the serving layer's check) gets a 400;
     the requests sharing its steps finish with exactly what they get alone."""
-    from server.generation import GenerationFailed
+    from server.scheduling.generation import GenerationFailed
 
     runner = load_runner(tiny_path, dtype="float32", max_context=64)
     alone = [_run(runner, [p])[0][0] for p in PROMPTS[:3]]
@@ -219,7 +219,7 @@ def test_a_row_past_the_context_fails_only_its_own_request(tiny_path: Path) -> N
 
 def test_a_crashed_step_fails_only_the_requests_in_it(tiny_path: Path) -> None:
     """fail_step after a crash: the step's generations get the error; a waiting one is untouched and finishes."""
-    from server.generation import GenerationFailed
+    from server.scheduling.generation import GenerationFailed
 
     runner = load_runner(tiny_path, dtype="float32")
     expected = _run(runner, [PROMPTS[2]])[0][0]
@@ -307,7 +307,7 @@ def test_echo_logprobs_cover_every_prompt_token_whatever_the_chunking(tiny_path:
     the log-softmax of the logits after the tokens before it (the whole prompt in one pass as reference)."""
     import torch
 
-    from server.generation import PromptLogprobs
+    from server.scheduling.generation import PromptLogprobs
 
     runner = load_runner(tiny_path, dtype="float32")
     prompt = [t for p in PROMPTS for t in p][:61]
@@ -343,7 +343,7 @@ def test_grammar_rows_of_a_mixed_batch_match_and_the_rest_are_untouched(tmp_path
 
     import tiny_models
 
-    from server.grammar import GrammarCompiler, GrammarSpec
+    from server.grammar.compiler import GrammarCompiler, GrammarSpec
 
     path = tiny_models.build_tiny_model(variant, tmp_path).gguf_path
     base = load_runner(path, dtype="float32")
@@ -433,7 +433,7 @@ def test_a_stream_interval_gathers_tokens_into_fewer_events(tiny_path: Path) -> 
 def test_stream_interval_zero_follows_the_load(tiny_path: Path) -> None:
     """Left to the scheduler (0), chunks gather one token more per 16 running sequences: 48 together, 3 a chunk;
     one alone, every token on its own."""
-    from server.scheduler import AUTO_MAX_INTERVAL, AUTO_STREAMS, auto_stream_interval
+    from server.scheduling.scheduler import AUTO_MAX_INTERVAL, AUTO_STREAMS, auto_stream_interval
 
     for running in range(1, 1000):
         assert auto_stream_interval(running) == max(1, min(AUTO_MAX_INTERVAL, running // AUTO_STREAMS))
@@ -489,7 +489,7 @@ def _outcomes(runner, requests: list[dict], defer: bool, async_scheduling: bool 
 
 
 def _feeding(runner) -> list[int]:
-    """Counts, as the scheduler runs, the steps of `runner` that read tokens on the device (engine.batch.TokenFeed):
+    """Counts, as the scheduler runs, the steps of `runner` that read tokens on the device (engine.model.batch.TokenFeed):
     [steps, fed rows]."""
     counts, step = [0, 0], runner.step
 

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from server.generation import ChoiceDelta
-from server.metrics import PREFIX, ServerMetrics
+from server.scheduling.generation import ChoiceDelta
+from server.api.metrics import PREFIX, ServerMetrics
 
 
 def _sample(metrics: ServerMetrics, name: str, **labels: str) -> float:

@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from server.request_context import RequestRecord, _current
-from server.serving import INLINE_PROMPT_BYTES, prompt_work
+from server.api.request_context import RequestRecord, _current
+from server.api.serving import INLINE_PROMPT_BYTES, prompt_work
 
 
 @pytest.mark.parametrize(("body_bytes", "inline"), [(200, True), (INLINE_PROMPT_BYTES, True),

@@ -10,9 +10,9 @@ import httpx
 import app_harness
 import pytest
 
-import server.app as server_app
+import server.api.app as server_app
 from engine import Runner
-from server.settings import Settings
+from server.config.settings import Settings
 
 MODEL = "smollm2-135m"
 SECRET = "boom-secret-internal-detail"

@@ -19,9 +19,9 @@ import httpx2
 import openai
 import pytest
 
-import server.app as server_app
+import server.api.app as server_app
 from engine import ContextLengthError, Runner
-from server.settings import Settings
+from server.config.settings import Settings
 
 MODEL = "smollm2-135m"
 SECRET = "boom-secret-internal-detail"
@@ -196,7 +196,7 @@ def test_unexpected_exception_in_a_route_is_a_500_envelope(failing, monkeypatch:
     def broken(*args, **kwargs):
         raise KeyError(SECRET)
 
-    monkeypatch.setattr("server.serving_chat.chat_prompt_ids", broken)
+    monkeypatch.setattr("server.api.openai.chat.chat_prompt_ids", broken)
 
     async def scenario(http: httpx.AsyncClient, app) -> None:
         r = await http.post("/v1/chat/completions", json=CHAT)
@@ -221,7 +221,7 @@ def test_unexpected_exception_mid_stream_is_an_error_event_then_done(
     def broken(self, *args):
         raise KeyError(SECRET)
 
-    monkeypatch.setattr("server.serving.OpenAIServing.usage", broken)
+    monkeypatch.setattr("server.api.serving.OpenAIServing.usage", broken)
 
     async def scenario(http: httpx.AsyncClient, app) -> None:
         r = await http.post(path, json={**body, "stream": True, "stream_options": {"include_usage": True}})

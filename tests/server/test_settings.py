@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from server.cli import main
-from server.progress import LoadProgress
-from server.settings import Settings, settings_table
+from server.launch.cli import main
+from server.scheduling.progress import LoadProgress
+from server.config.settings import Settings, settings_table
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -79,7 +79,7 @@ def test_every_setting_has_a_flag(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_the_readme_table_is_the_settings_table() -> None:
-    assert settings_table() in README.read_text(), "regenerate with: python -c 'from server.settings import " \
+    assert settings_table() in README.read_text(), "regenerate with: python -c 'from server.config.settings import " \
                                                    "settings_table; print(settings_table())'"
 
 
@@ -107,7 +107,7 @@ def test_a_token_budget_below_the_batch_is_refused() -> None:
 
 
 def test_an_encoder_takes_whole_batches_unless_told_otherwise() -> None:
-    from server.settings import device_default
+    from server.config.settings import device_default
 
     assert device_default(Settings(), "max_batched_tokens") == 512
     assert device_default(Settings(), "max_batched_tokens", encoder=True) == 8192
@@ -118,8 +118,8 @@ def test_an_encoder_takes_whole_batches_unless_told_otherwise() -> None:
 def test_on_a_gpu_speculation_stops_past_the_rows_a_graph_step_verifies() -> None:
     """Past MAX_CHUNKS drafting sequences a GPU step runs eagerly (slower than no speculation): the default stops
     there on a GPU, never on CPU; a value given wins."""
-    from engine.chunk_graphs import MAX_CHUNKS
-    from server.settings import device_default
+    from engine.runtime.chunk_graphs import MAX_CHUNKS
+    from server.config.settings import device_default
 
     name = "speculative_disable_by_batch_size"
     assert device_default(Settings(device="cuda"), name) == MAX_CHUNKS == 4
@@ -154,7 +154,7 @@ def test_malloc_arenas_are_capped_on_glibc() -> None:
     """The cap the serve command sets before its threads start (the soak's flat-RSS check relies on it)."""
     import platform
 
-    from server.cli import cap_malloc_arenas
+    from server.launch.cli import cap_malloc_arenas
 
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("not glibc")

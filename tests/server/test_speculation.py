@@ -13,16 +13,17 @@ import tiny_models
 import torch  # tests/engine's random tiny models
 
 from engine import Runner, load_runner
-from engine.kv_cache import kv_bytes_per_token
-from server.app import load_speculator
-from server.draft_model import DraftModel, vocabulary_mismatch
-from server.generation import ChoiceDelta, Generation, GenerationDone
-from server.progress import LoadProgress
-from server.sampling import SamplingParams, SequenceSampler
-from server.scheduler import Scheduler
-from server.settings import Settings
-from server.speculation import FIRST_PAUSE, PAUSE_BELOW, PROBE_RATE, RATE_WEIGHT, SpeculativeConfig, Speculator
-from server.speculation_cost import EXPLORE_EVERY, PROBE_EVERY, StepCost
+from engine.cache.kv_cache import kv_bytes_per_token
+from server.api.app import load_speculator
+from server.speculative.draft_model import DraftModel, vocabulary_mismatch
+from server.scheduling.generation import ChoiceDelta, Generation, GenerationDone
+from server.scheduling.progress import LoadProgress
+from server.sampling.sampler import SamplingParams, SequenceSampler
+from server.scheduling.scheduler import Scheduler
+from server.config.settings import Settings
+from server.speculative.speculator import (FIRST_PAUSE, PAUSE_BELOW, PROBE_RATE, RATE_WEIGHT, SpeculativeConfig,
+    Speculator)
+from server.speculative.cost import EXPLORE_EVERY, PROBE_EVERY, StepCost
 
 # Copy-heavy prompts: a phrase repeated, so prompt lookup has matches from the first step.
 PROMPTS = [[5 + i, 40 + 3 * i, 77, 12 + i, 90, 31 + i] * 4 + [5 + i, 40 + 3 * i] for i in range(4)]
@@ -386,7 +387,7 @@ def test_grammar_constrained_rows_speculate_under_their_masks(tiny) -> None:
     grammar rolled back: greedy outputs equal those without speculation, sampled ones match the grammar."""
     import re
 
-    from server.grammar import GrammarCompiler, GrammarSpec
+    from server.grammar.compiler import GrammarCompiler, GrammarSpec
 
     runner = load_runner(tiny("qwen3"), dtype="float32")
     regex = r"((ab|cd|abc) ){3,12}ef"

@@ -14,8 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from sse_starlette.event import ServerSentEvent
 
-from server import sse
-from server.sse import DONE, encode_events, sse_response
+from server.api import sse
+from server.api.sse import DONE, encode_events, sse_response
 
 payloads = st.text(st.characters(codec="utf-8"), max_size=40)
 names = st.text(st.characters(codec="utf-8", exclude_characters="\r\n"), min_size=1, max_size=12)

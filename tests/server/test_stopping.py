@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.registry import KNOWN_MODELS
-from engine.tokenizer import Tokenizer
+from engine.tokenizer.tokenizer import Tokenizer
 from engine.weights.gguf import read_gguf_metadata
-from server.protocol import MAX_STOP_STRINGS
-from server.stopping import StopChecker, StopUpdate
+from server.api.openai.protocol import MAX_STOP_STRINGS
+from server.scheduling.stopping import StopChecker, StopUpdate
 
 EOS = 2  # SmolLM2's <|im_end|>; the scripted detokenizer uses the same id
 SENTENCE = 'The café said: "你好，世界！" 🎉🚀 and then\n\nUser: hello </s> done.'

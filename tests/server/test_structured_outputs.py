@@ -12,11 +12,11 @@ import pytest
 import torch
 from schema_cases import OBJ, SCHEMAS
 
-from server.grammar import GrammarCompiler, GrammarSpec, StructuredOutputError
-from server.protocol import ResponseFormat, StructuredOutputs
-from server.sampling import SamplingParams, SequenceSampler, sample_batch
-from server.structured_outputs import output_grammar
-from server.token_bitmask import allocate_bitmask, allowed_tokens, apply_token_bitmask, unpack_bitmask
+from server.grammar.compiler import GrammarCompiler, GrammarSpec, StructuredOutputError
+from server.api.openai.protocol import ResponseFormat, StructuredOutputs
+from server.sampling.sampler import SamplingParams, SequenceSampler, sample_batch
+from server.api.structured_outputs import output_grammar
+from server.grammar.token_bitmask import allocate_bitmask, allowed_tokens, apply_token_bitmask, unpack_bitmask
 
 STRING_LITERAL = re.compile(r'"(?:[^"\\]|\\.)*"')
 

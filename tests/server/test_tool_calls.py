@@ -10,11 +10,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from schema_cases import SCHEMAS
 
-from engine.tokenizer import Tokenizer
-from server.grammar import StructuredOutputError
-from server.protocol import ChatMessage, NamedToolChoice, ToolDefinition
-from server.tool_calls import plan_tools, template_messages, tool_format
-from server.tool_parser import ToolCallParser
+from engine.tokenizer.tokenizer import Tokenizer
+from server.grammar.compiler import StructuredOutputError
+from server.api.openai.protocol import ChatMessage, NamedToolChoice, ToolDefinition
+from server.api.tool_calls import plan_tools, template_messages, tool_format
+from server.api.tool_parser import ToolCallParser
 
 HERMES_TEMPLATE = "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>{% endif %}<tool_call>"
 LLAMA3_TEMPLATE = "<|start_header_id|>{% if tools %}{{ tools | tojson }}{% endif %}ipython"

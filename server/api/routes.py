@@ -1,0 +1,197 @@
+"""Thin endpoint functions: parse, hand to the serving objects, return."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse, Response
+
+from server.errors import APIError, invalid
+from server.api.openapi import PROMETHEUS_TEXT, RETRY_AFTER, anthropic_errors, errors
+from server.api.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+    CompletionResponse, DetokenizeRequest, DetokenizeResponse, EmbeddingRequest, EmbeddingResponse, Health,
+    HealthUnavailable, Liveness, ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
+from server.api.anthropic.protocol import CountTokensRequest, MessageResponse, MessagesRequest, TokenCount
+from server.api.responses.protocol import InputItemList, ResponseDeleted, ResponseObject, ResponsesRequest
+from server.api.serving import ModelState, check_model, check_token_ids, prompt_work
+from server.api.openai.chat import ChatServing, chat_prompt_ids
+from server.api.openai.completions import CompletionServing
+from server.api.openai.embeddings import EmbeddingServing
+from server.api.anthropic.serving import MessagesServing
+from server.api.responses.serving import ResponsesServing
+
+router = APIRouter()
+LOADING_RETRY_AFTER_S = "5"
+
+
+def _state(request: Request) -> ModelState:
+    state: ModelState | None = request.app.state.model
+    if state is None:
+        raise APIError(503, "the model is still loading; retry shortly", code="model_loading",
+                       headers={"Retry-After": LOADING_RETRY_AFTER_S})
+    return state
+
+
+def _state_for(request: Request, model: str | None) -> ModelState:
+    """The served model, checked against the optional `model` a utility request names."""
+    state = _state(request)
+    if model is not None:
+        check_model(state, model)
+    return state
+
+
+def _card(state: ModelState) -> ModelCard:
+    return ModelCard(id=state.model_id, created=state.created, max_model_len=state.runner.context_size)
+
+
+def _unavailable(status: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    body = HealthUnavailable(status=status).model_dump(exclude_none=True)
+    return JSONResponse(body, status_code=503, headers=headers)
+
+
+@router.get("/livez", response_model=Liveness, summary="liveness: 200 while the process answers HTTP")
+async def livez() -> Liveness:
+    return Liveness(status="alive")
+
+
+@router.get("/health", response_model=Health,
+            responses={503: {"model": HealthUnavailable, "headers": RETRY_AFTER,
+                             "description": "the model is still loading (with Retry-After), or the server drains"}},
+            summary="readiness: 503 while the model loads or the server drains, 200 when ready")
+async def health(request: Request) -> Health | JSONResponse:
+    state: ModelState | None = request.app.state.model
+    if request.app.state.draining:
+        return _unavailable("draining")
+    if state is None:
+        return _unavailable("loading", headers={"Retry-After": LOADING_RETRY_AFTER_S})
+    failure = state.pool.failure
+    if failure is not None:
+        return JSONResponse(HealthUnavailable(status="unhealthy", error=failure).model_dump(exclude_none=True),
+                            status_code=503)
+    runner = state.runner
+    await state.pool.refresh_stats()
+    return Health(status="ok", model=state.model_id, device=str(runner.device),
+                  dtype=str(runner.dtype).removeprefix("torch."), quant=runner.quant,
+                  deterministic=runner.deterministic, **state.pool.stats())
+
+
+@router.get("/metrics", response_class=Response,
+            responses={200: {"description": "Prometheus text exposition format 0.0.4",
+                             "content": {PROMETHEUS_TEXT: {"schema": {"type": "string"}}}}},
+            summary="Prometheus metrics, named as vLLM's with the prefix emberserve:")
+async def metrics(request: Request) -> Response:
+    state: ModelState | None = request.app.state.model
+    if state is not None:
+        await state.pool.refresh_stats()  # what the scrape's pool figures read
+    body, content_type = request.app.state.metrics.exposition()
+    return Response(body, media_type=content_type)
+
+
+@router.get("/v1/models", response_model=ModelList, responses=errors(503))
+async def list_models(request: Request) -> ModelList:
+    return ModelList(data=[_card(_state(request))])
+
+
+@router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=errors(404, 503))
+async def get_model(model_id: str, request: Request) -> ModelCard:
+    return _card(_state_for(request, model_id))
+
+
+# 200 is a JSON body, or with `stream: true` an event stream (its event schema is added by server/openapi.py).
+_GENERATION_ERRORS = errors(400, 404, 413, 429, 503)
+_UTILITY_ERRORS = errors(400, 404, 413, 503)
+
+
+@router.post("/v1/chat/completions", response_model=None,
+             responses={200: {"model": ChatCompletionResponse}, **_GENERATION_ERRORS})
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    _state(request)
+    chat: ChatServing = request.app.state.chat
+    return await chat.create(body, request)
+
+
+@router.post("/v1/completions", response_model=None,
+             responses={200: {"model": CompletionResponse}, **_GENERATION_ERRORS})
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    _state(request)
+    serving: CompletionServing = request.app.state.completions
+    return await serving.create(body, request)
+
+
+@router.post("/v1/responses", response_model=None,
+             responses={200: {"model": ResponseObject}, **_GENERATION_ERRORS})
+async def create_response(body: ResponsesRequest, request: Request) -> Any:
+    _state(request)
+    serving: ResponsesServing = request.app.state.responses
+    return await serving.create(body, request)
+
+
+_STORED_ERRORS = errors(404, 503)
+
+
+@router.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=_STORED_ERRORS,
+            summary="a stored response (one made with store: true, until the store drops it)")
+async def retrieve_response(response_id: str, request: Request) -> ResponseObject:
+    _state(request)
+    serving: ResponsesServing = request.app.state.responses
+    return await serving.retrieve(response_id)
+
+
+@router.delete("/v1/responses/{response_id}", response_model=ResponseDeleted, responses=_STORED_ERRORS)
+async def delete_response(response_id: str, request: Request) -> ResponseDeleted:
+    _state(request)
+    serving: ResponsesServing = request.app.state.responses
+    return await serving.delete(response_id)
+
+
+@router.get("/v1/responses/{response_id}/input_items", response_model=InputItemList,
+            responses=errors(400, 404, 503), summary="the input items of a stored response")
+async def response_input_items(response_id: str, request: Request, limit: int = Query(20, ge=1, le=100),
+                               order: Literal["asc", "desc"] = "desc", after: str | None = None) -> InputItemList:
+    _state(request)
+    serving: ResponsesServing = request.app.state.responses
+    return await serving.input_items(response_id, limit, order, after)
+
+
+@router.post("/v1/messages", response_model=None,
+             responses={200: {"model": MessageResponse}, **anthropic_errors(400, 404, 413, 429, 503)},
+             summary="Anthropic's Messages API (errors in Anthropic's envelope)")
+async def messages(body: MessagesRequest, request: Request) -> Any:
+    _state(request)
+    serving: MessagesServing = request.app.state.messages
+    return await serving.create(body, request)
+
+
+@router.post("/v1/messages/count_tokens", response_model=TokenCount,
+             responses=anthropic_errors(400, 404, 413, 503))
+async def count_message_tokens(body: CountTokensRequest, request: Request) -> TokenCount:
+    _state(request)
+    serving: MessagesServing = request.app.state.messages
+    return await serving.count_tokens(body)
+
+
+@router.post("/v1/embeddings", response_model=None,
+             responses={200: {"model": EmbeddingResponse}, **_GENERATION_ERRORS})
+async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
+    _state(request)
+    serving: EmbeddingServing = request.app.state.embeddings
+    return await serving.create(body, request)
+
+
+@router.post("/tokenize", response_model=TokenizeResponse, responses=_UTILITY_ERRORS)
+async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+    state = _state_for(request, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise invalid("give exactly one of prompt or messages", param="prompt")
+    if body.messages is not None:
+        ids = await prompt_work(chat_prompt_ids, state, body.messages, body.add_generation_prompt)
+    else:
+        ids = await prompt_work(state.runner.tokenizer.encode, body.prompt, body.add_special_tokens)
+    return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=state.runner.context_size)
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse, responses=_UTILITY_ERRORS)
+async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    state = _state_for(request, body.model)
+    check_token_ids(body.tokens, state.runner.vocab_size, "tokens")
+    return DetokenizeResponse(prompt=await prompt_work(state.runner.tokenizer.decode, body.tokens))

@@ -1,0 +1,154 @@
+"""`emberserve serve | models | presets | generate`: the command line (also `python -m server`)."""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Literal, Optional, get_args, get_origin
+
+import uvicorn
+from pydantic import ValidationError
+
+from engine import KNOWN_MODELS, ModelFormatError, ModelNotInstalledError
+from engine.__main__ import add_commands, run
+
+from server import __version__
+from server.api.app import SELF_DRAFTS, create_app
+from server.launch.lifecycle import DrainingServer
+from server.logs import configure_logging
+from server.api.metrics import share_metrics_across_processes
+from server.config.presets import presets_text
+from server.config.settings import Settings, env_name, flag_name
+
+EXIT_LOAD_FAILED = 3
+EXIT_WORKER_FAILED = 4
+FINAL_CLOSE_S = 1  # after the drain: how long uvicorn waits for open responses before cancelling them
+log = logging.getLogger("emberserve")
+
+
+def _choices(annotation: Any) -> list[str] | None:
+    """The strings a Literal[...] (or Literal[...] | None) annotation allows; None for anything else."""
+    if get_origin(annotation) is Literal:
+        return [str(a) for a in get_args(annotation)]
+    for arg in get_args(annotation):
+        if get_origin(arg) is Literal:
+            return _choices(arg)
+    return None
+
+
+def _settings_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per Settings field; a flag left out leaves the environment variable or the default in force."""
+    for name, info in Settings.model_fields.items():
+        help_text = f"{info.description} [env {env_name(name)}]".replace("%", "%%")
+        if info.annotation in (bool, Optional[bool]):
+            parser.add_argument(flag_name(name), dest=name, action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=help_text)
+        else:
+            parser.add_argument(flag_name(name), dest=name, default=argparse.SUPPRESS, choices=_choices(info.annotation),
+                                help=help_text)
+    parser.add_argument("--no-prefix-cache", dest="prefix_caching", action="store_false", default=argparse.SUPPRESS,
+                        help="the same as --no-prefix-caching")
+
+
+def cap_malloc_arenas(arenas: int = 2) -> bool:
+    """Cap glibc's malloc arenas (one per thread by default) before any worker or OpenMP thread starts.
+
+    Memory freed in one thread's arena serves only that arena, so with the worker, OpenMP's and the event loop's
+    threads all allocating, RSS crept up under load (the soak's check, 3-6% between its first mark and its end);
+    two arenas keep it flat at no measured cost to prefill or decode (bench/RESULTS.md). False where the C
+    library is not glibc (nothing to do there)."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(_M_ARENA_MAX, arenas))
+    except (OSError, AttributeError):
+        return False
+
+
+_M_ARENA_MAX = -8  # glibc's malloc.h
+
+
+def _serve(args: argparse.Namespace) -> int:
+    cap_malloc_arenas()
+    given = {name: value for name, value in vars(args).items() if name in Settings.model_fields}
+    try:
+        settings = Settings(**given)
+    except ValidationError as e:
+        for err in e.errors():
+            name = str(err["loc"][0]) if err["loc"] else "settings"
+            print(f"error: {flag_name(name)} / {env_name(name)}: {err['msg']}", file=sys.stderr)
+        return 2
+    # Fail before binding the port when there is clearly nothing to load.
+    known = KNOWN_MODELS.get(settings.model)
+    try:
+        if known is not None:
+            known.path()
+        elif not Path(settings.model).exists():
+            raise ModelFormatError(f"model not found: {settings.model!r} is neither a known model name "
+                                   f"({', '.join(KNOWN_MODELS)}) nor an existing path")
+        draft = settings.draft_model
+        if draft is not None and draft not in SELF_DRAFTS:
+            if draft in KNOWN_MODELS:
+                KNOWN_MODELS[draft].path()
+            elif not Path(draft).exists():
+                raise ModelFormatError(f"draft model not found: {draft!r} is neither a known model name "
+                                       f"({', '.join(KNOWN_MODELS)}), {' nor '.join(SELF_DRAFTS)}, nor an existing path")
+    except (ModelNotInstalledError, ModelFormatError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level, settings.log_format)
+    metrics_dir = None
+    if settings.api_server_count > 1:  # every HTTP process's metrics in files that a scrape of any one sums
+        metrics_dir = tempfile.mkdtemp(prefix="emberserve-metrics-")
+        share_metrics_across_processes(metrics_dir)
+    try:
+        return _run_server(settings)
+    finally:
+        if metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _run_server(settings: Settings) -> int:
+    app = create_app(settings)
+    log.info("emberserve %s: loading %s on %s; will listen on http://%s:%d/v1", __version__, settings.model,
+             settings.device, settings.host, settings.port)
+    log.debug("settings: %r", settings)  # SecretStr: the API key shows as '**********'
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            log_config=None, access_log=False, timeout_graceful_shutdown=FINAL_CLOSE_S)
+    server = DrainingServer(config, app, grace=settings.shutdown_grace)
+    app.state.request_shutdown = lambda: setattr(server, "should_exit", True)
+    if settings.api_server_count > 1:  # bound here, as uvicorn's own workers do, for every HTTP process to share
+        app.state.listen_socket = config.bind_socket()
+        server.run(sockets=[app.state.listen_socket])
+    else:
+        server.run()
+    if app.state.load_error:
+        print(f"error: cannot load model {settings.model!r}: {app.state.load_error}", file=sys.stderr)
+        return EXIT_LOAD_FAILED
+    if app.state.fatal_error:
+        print(f"error: {app.state.fatal_error}", file=sys.stderr)
+        return EXIT_WORKER_FAILED
+    return 0
+
+
+def _presets(_: argparse.Namespace) -> int:
+    print(presets_text())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="emberserve", description="OpenAI-compatible LLM server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve a model over the OpenAI API")
+    _settings_arguments(serve)
+    serve.set_defaults(func=_serve)
+    sub.add_parser("presets", help="list the generation presets (--preset, a request's \"preset\")").set_defaults(
+        func=_presets)
+    add_commands(sub)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
