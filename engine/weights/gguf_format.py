@@ -35,7 +35,7 @@ class TensorEntry:
     nbytes: int
 
 
-class _Cursor:
+class GGUFCursor:
     def __init__(self, buf: memoryview, path: Path) -> None:
         self.buf, self.pos, self.path = buf, 0, path
 
@@ -116,7 +116,7 @@ class GGUFFile:
             self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         if self._mmap[:4] != GGUF_MAGIC:
             raise ModelFormatError(f"{self.path}: not a GGUF file (magic {self._mmap[:4]!r})")
-        cur = _Cursor(memoryview(self._mmap), self.path)
+        cur = GGUFCursor(memoryview(self._mmap), self.path)
         cur.pos = 4
         self.version = cur.scalar("<I")
         if self.version not in (2, 3):

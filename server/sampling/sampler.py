@@ -22,7 +22,7 @@ Every value the request schema accepts, and any logits, give a token (the sample
 - A row in which no token is possible (every adjusted logit -inf: all logits NaN or -inf, or every token
   suppressed) gets token 0 rather than an error.
 - Temperature neither overflows nor loses the probabilities to rounding: a row whose largest logit over the
-  temperature exceeds `_SHIFT_ABOVE` (2**16) in magnitude has that logit subtracted before the division. Softmax
+  temperature exceeds `SHIFT_ABOVE` (2**16) in magnitude has that logit subtracted before the division. Softmax
   does not change, and ordinary rows are divided as they are, bit for bit.
 - A top_p too small for float32 still keeps the most likely token.
 
@@ -57,7 +57,7 @@ GREEDY_TEMPERATURE = 1e-5
 _F32_TINY = 2.0 ** -149  # the smallest positive float32: a positive parameter never rounds to 0
 # Beyond this |logit / temperature| float32 keeps under 8 fractional bits: enough to blur ties (logsumexp of two
 # equal values would round the log 2 away) and, far beyond, to overflow. Such rows subtract their largest logit first.
-_SHIFT_ABOVE = 2.0 ** 16
+SHIFT_ABOVE = 2.0 ** 16
 
 
 @dataclass(frozen=True)
@@ -300,7 +300,7 @@ def _truncated(x: torch.Tensor, params: Sequence[SamplingParams]) -> Iterator[tu
 def _over_temperature(x: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """x / temperature per row [R, 1], accurately: rows with a huge largest quotient subtract their largest logit."""
     top = x.amax(-1, keepdim=True)  # finite: _sampleable leaves no +inf and no row without a finite logit
-    shift = top.where(top.abs() > _SHIFT_ABOVE * temperature, 0.0)  # 0 for ordinary rows: (x - 0) / t is x / t
+    shift = top.where(top.abs() > SHIFT_ABOVE * temperature, 0.0)  # 0 for ordinary rows: (x - 0) / t is x / t
     return (x - shift).div_(temperature)
 
 
@@ -357,7 +357,7 @@ def _searchsorted(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.minimum(hit, last_positive)[:, 0]
 
 
-def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Column index per row drawn with probability proportional to `weights` [R, N], using uniforms `u` [R]."""
     R, N = weights.shape
     # Two levels of about sqrt(N): block sums, then one block. One float32 cumsum over a 262k vocabulary would
@@ -387,7 +387,7 @@ def _draw(x: torch.Tensor, params: Sequence[SamplingParams], u: torch.Tensor) ->
     tokens = torch.empty(R, dtype=torch.long, device=x.device)
     for rows, w, ids in _truncated(x, params):
         index = None if len(rows) == R else torch.tensor(rows, device=x.device)
-        col = _inverse_cdf(w, u if index is None else u[index])
+        col = inverse_cdf(w, u if index is None else u[index])
         tokens = _merge(tokens, index, col if ids is None else ids.gather(1, col[:, None])[:, 0])
     return tokens
 
@@ -422,7 +422,7 @@ def sample_batch(logits: torch.Tensor, samplers: Sequence[SequenceSampler],
 def draw_from(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Token ids [R] drawn with probability proportional to `weights` [R, vocab] (non-negative, each row with some
     weight), with one uniform per row `u` [R]: the sampler's own inverse-CDF draw."""
-    return _inverse_cdf(weights, u.to(weights.device))
+    return inverse_cdf(weights, u.to(weights.device))
 
 
 def chosen_tokens(logits: torch.Tensor, samplers: Sequence[SequenceSampler],

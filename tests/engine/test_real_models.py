@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import ContextLengthError, KNOWN_MODELS, Runner, load_runner
-from engine.weights.gguf_format import _Cursor
+from engine.weights.gguf_format import GGUFCursor
 
 FRANCE = "The capital of France is"
 
@@ -107,7 +107,7 @@ def without_vocabulary(path: Path, dest: Path) -> Path:
     otherwise copied byte for byte. transformers parses 262,144-entry arrays field by field, twice per load (most of
     this test's time before; bench/RESULTS.md), and the model needs none of them."""
     data = path.read_bytes()
-    cur = _Cursor(memoryview(data), path)
+    cur = GGUFCursor(memoryview(data), path)
     cur.pos = 4
     version, n_tensors, n_kv = cur.scalar("<I"), cur.scalar("<Q"), cur.scalar("<Q")
     kept, arch, alignment = [], "", 32

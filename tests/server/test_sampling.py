@@ -10,7 +10,7 @@ import torch
 from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
-from server.sampling.sampler import (GREEDY_TEMPERATURE, SampledToken, SamplingParams, SequenceSampler, _inverse_cdf,
+from server.sampling.sampler import (GREEDY_TEMPERATURE, SampledToken, SamplingParams, SequenceSampler, inverse_cdf,
     sample_batch, sampling_probs)
 
 DRAWS = 20_000
@@ -436,7 +436,7 @@ def test_inverse_cdf_matches_a_float64_reference_and_never_picks_zero_weight() -
         weights = torch.rand(4, n, generator=gen) * (torch.rand(4, n, generator=gen) > 0.5)
         weights[:, 0] += 1e-3  # at least one positive weight per row
         for u in [0.0, 0.25, 0.5, 0.999, 1 - 2 ** -53] + torch.rand(20, generator=gen, dtype=torch.float64).tolist():
-            got = _inverse_cdf(weights, torch.full((4,), u, dtype=torch.float64))
+            got = inverse_cdf(weights, torch.full((4,), u, dtype=torch.float64))
             cdf = weights.double().cumsum(-1)
             want = torch.searchsorted(cdf, (u * cdf[:, -1:]).contiguous(), right=True)[:, 0]
             want = torch.minimum(want, torch.searchsorted(cdf, cdf[:, -1:].contiguous())[:, 0])
@@ -451,7 +451,7 @@ def test_inverse_cdf_keeps_the_tail_of_a_large_vocabulary() -> None:
     weights[0, 0] = 1.0 - 262_143e-8
     tail_start = weights[0, 0].item() / weights.double().sum().item()
     for u in (tail_start + 1e-4, 0.999, 0.9999):
-        got = _inverse_cdf(weights, torch.tensor([u], dtype=torch.float64)).item()
+        got = inverse_cdf(weights, torch.tensor([u], dtype=torch.float64)).item()
         expected = 1 + (u * weights.double().sum().item() - weights[0, 0].item()) / weights[0, 1].item()
         assert abs(got - expected) <= 2, u
 

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from server.api.openai.protocol import MAX_LOGIT_BIAS, ChatCompletionRequest, OpenAIRequest
-from server.sampling.sampler import (_SHIFT_ABOVE, GREEDY_TEMPERATURE, SamplingParams, SequenceSampler, sample_batch,
+from server.sampling.sampler import (GREEDY_TEMPERATURE, SHIFT_ABOVE, SamplingParams, SequenceSampler, sample_batch,
     sampling_probs)
 
 F32_MAX = float(np.finfo(np.float32).max)
@@ -206,7 +206,7 @@ def reference_truncation(x: np.ndarray, p: SamplingParams) -> Expected:
     z[np.isnan(z)] = -np.inf
     # float32 rounds x / T, the subtraction, logsumexp and exp: a few units of 6e-8 of the magnitudes involved.
     relevant = z >= -150
-    shifted = abs(top) > _SHIFT_ABOVE * T * 1.001  # near the threshold float32 may decide either way
+    shifted = abs(top) > SHIFT_ABOVE * T * 1.001  # near the threshold float32 may decide either way
     magnitude = np.abs(x64 - top) if shifted else np.abs(x64) + abs(top)
     tolerance = float(1e-5 + 5e-7 * (magnitude[relevant] / T + np.abs(z[relevant])).max())
     tolerance = min(tolerance, 100.0)  # beyond that float32 keeps no order within the relevant range anyway
