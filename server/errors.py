@@ -1,23 +1,11 @@
-"""Errors: one exception type and the handlers that turn every failure into the error envelope.
+"""The one exception type every layer raises for a failure the client is told of, and its two envelopes.
 
 The envelope is OpenAI's everywhere but under /v1/messages, which answers Anthropic's: the clients of each API
 parse only their own.
 """
 from __future__ import annotations
 
-import logging
-import re
 from typing import Any
-
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
-from server.api.openai.protocol import ErrorDetail, ErrorResponse
-from server.api.anthropic.protocol import AnthropicError, AnthropicErrorResponse
-
-log = logging.getLogger("emberserve")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
@@ -47,8 +35,7 @@ class APIError(Exception):
         self.headers = headers
 
     def body(self) -> dict[str, Any]:
-        detail = ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code)
-        return ErrorResponse(error=detail).model_dump()
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def anthropic_body(self) -> dict[str, Any]:
         """Anthropic's envelope: `{"type": "error", "error": {"type", "message"}}`. It has no `param`: the message
@@ -57,12 +44,7 @@ class APIError(Exception):
         message = self.message
         if self.param is not None and not message.startswith(self.param):
             message = f"{self.param}: {message}"
-        return AnthropicErrorResponse(error=AnthropicError(type=kind, message=message)).model_dump()
-
-    def response(self, path: str = "") -> JSONResponse:
-        """The error's JSON response, in the envelope of the API that `path` belongs to."""
-        body = self.anthropic_body() if speaks_anthropic(path) else self.body()
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+        return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -70,92 +52,6 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
     return APIError(400, message, param=param, code=code)
 
 
-# A union member's label names a validator wrapped around a type, as in `function-after[_check(), str]`: say `str`.
-_VALIDATOR_LABEL = re.compile(r"function-\w+\[\w+\(\), (\w+)\]")
-
-
-def _param_from_loc(loc: tuple[Any, ...]) -> str | None:
-    parts = [_VALIDATOR_LABEL.sub(r"\1", str(p)) for p in loc if p not in ("body", "query", "path")]
-    return ".".join(parts) or None
-
-
-def error_param(errors: list[dict[str, Any]]) -> str | None:
-    """The field at fault: none for unparsable JSON; for a union's per-member errors, the field they share."""
-    if not errors or errors[0].get("type") == "json_invalid":
-        return None
-    locs = [tuple(e.get("loc", ())) for e in errors]
-    common = locs[0]
-    for loc in locs[1:]:
-        n = 0
-        while n < min(len(common), len(loc)) and common[n] == loc[n]:
-            n += 1
-        common = common[:n]
-    return _param_from_loc(common) or _param_from_loc(locs[0])
-
-
-def _validation_message(err: dict[str, Any]) -> str:
-    param = _param_from_loc(tuple(err.get("loc", ())))
-    msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
-    if err.get("type") == "json_invalid":
-        return f"request body is not valid JSON: {err.get('ctx', {}).get('error', msg)}"
-    if tuple(err.get("loc", ())) == ("body",):  # no body, or JSON that is not an object
-        return "request body is empty: expected a JSON object" if err.get("type") == "missing" else \
-            f"request body must be a JSON object: {msg}"
-    return f"{param}: {msg}" if param else msg
-
-
-def _unparsable_body(exc: StarletteHTTPException) -> str:
-    """Why FastAPI could not read the body as JSON, from the exception it chained (JSON syntax errors come apart)."""
-    cause = exc.__cause__
-    if isinstance(cause, UnicodeDecodeError):
-        return f"request body is not valid UTF-8: {cause.reason} at byte {cause.start}"
-    if isinstance(cause, RecursionError):
-        # The parser recurses once per level and stops at the interpreter's recursion limit, before reading on.
-        return "request body nests JSON arrays or objects too deeply: the limit is about 1,000 levels"
-    return str(exc.detail)
-
-
-def count(app: FastAPI, error: APIError) -> None:
-    """Count an error response in the app's metrics by its type."""
-    if error.status != 499:  # the client went away: nobody reads this, and its sequences count as aborted
-        app.state.metrics.fail(error.type)
-
-
-def answer(app: FastAPI, error: APIError, path: str = "") -> JSONResponse:
-    """The error's response to a request for `path`, counted in the app's metrics."""
-    count(app, error)
-    return error.response(path)
-
-
 def internal_error() -> APIError:
     """What an unexpected exception answers: no detail of it reaches the client (the log has the traceback)."""
     return APIError(500, "internal server error", type="server_error")
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    """Every error path answers the envelope of its API; tracebacks go to the log, never to the client."""
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return answer(request.app, exc, request.url.path)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        message = "; ".join(_validation_message(e) for e in errors[:5]) or "invalid request"
-        return answer(request.app, invalid(message, param=error_param(errors)), request.url.path)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if exc.status_code in (404, 405):
-            what = "not found" if exc.status_code == 404 else "method not allowed"
-            message = f"{request.method} {request.url.path}: {what}"
-        else:
-            message = _unparsable_body(exc) if exc.status_code == 400 else str(exc.detail)
-        return answer(request.app, APIError(exc.status_code, message, headers=getattr(exc, "headers", None)),
-                      request.url.path)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return answer(request.app, internal_error(), request.url.path)

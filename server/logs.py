@@ -1,15 +1,65 @@
-"""Logging set-up: `text` lines or one JSON object per line, the current request's id on every record."""
+"""Logging: the record of the request being answered (`RequestRecord`, in a context variable that the serving
+layer fills in and the access log writes), and the set-up: `text` lines or one JSON object per line, the current
+request's id on every record."""
 from __future__ import annotations
 
 import json
 import logging
 import sys
+import time
+from contextvars import ContextVar, Token
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from server.api.request_context import current_request
 
 _TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+@dataclass
+class RequestRecord:
+    """What one request's log line says."""
+
+    id: str
+    method: str
+    path: str
+    started: float = field(default_factory=time.perf_counter)
+    status: int | None = None
+    model: str | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float | None = None          # seconds from arrival to the first generated token
+    finish_reasons: list[str] = field(default_factory=list)
+    body_bytes: int | None = None      # the request body's Content-Length (None: not given, a chunked body)
+
+    def fields(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"request_id": self.id, "method": self.method, "path": self.path,
+                               "status": self.status,
+                               "duration_ms": round((time.perf_counter() - self.started) * 1000, 1)}
+        if self.model is not None:
+            reasons = sorted(set(self.finish_reasons))
+            out |= {"model": self.model, "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
+                    "ttft_ms": None if self.ttft is None else round(self.ttft * 1000, 1),
+                    "finish_reason": reasons[0] if len(reasons) == 1 else (",".join(reasons) or None)}
+        return out
+
+
+_current: ContextVar[RequestRecord | None] = ContextVar("emberserve_request", default=None)
+
+
+def current_request() -> RequestRecord | None:
+    """The record of the request this code runs for, if any."""
+    return _current.get()
+
+
+def set_current_request(record: RequestRecord | None) -> Token[RequestRecord | None]:
+    """Make `record` the current request's (for the code this context runs); `reset_current_request` undoes it."""
+    return _current.set(record)
+
+
+def reset_current_request(token: Token[RequestRecord | None]) -> None:
+    _current.reset(token)
+
 
 
 class _RequestIdFilter(logging.Filter):

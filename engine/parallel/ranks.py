@@ -16,21 +16,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from multiprocessing.connection import wait as wait_for_exit
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.model.batch import ForwardBatch
-from engine.parallel.messages import MODE_HIDDEN, MODE_STOP, StepMessage, receive_step, send_step
-
-if TYPE_CHECKING:
-    from engine.loader.load import LoadOptions
-    from engine.runtime.runner import Runner
-    from engine.weights import Progress
+from engine.parallel.messages import MODE_STOP, StepMessage, send_step
 
 log = logging.getLogger("emberserve.engine")
 
@@ -70,7 +63,7 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return device
 
 
-def _join(store: dist.Store, rank: int, size: int, device: torch.device) -> RankGroup:
+def join_group(store: dist.Store, rank: int, size: int, device: torch.device) -> RankGroup:
     if device.type == "cuda":
         # NVLink multicast (NVLS) must stay off on the machines this runs on.
         os.environ["NCCL_NVLS_ENABLE"] = "0"
@@ -79,7 +72,7 @@ def _join(store: dist.Store, rank: int, size: int, device: torch.device) -> Rank
     return RankGroup(rank, size, dist.group.WORLD, device)
 
 
-def _exit_text(code: int | None) -> str:
+def exit_text(code: int | None) -> str:
     if code is not None and code < 0:
         try:
             return f"signal {signal.Signals(-code).name}"
@@ -121,7 +114,7 @@ class RankProcesses:
             if dead:
                 rank, p = dead[0]
                 p.join(1.0)
-                self.fail(f"tensor-parallel rank {rank} (pid {p.pid}) exited with {_exit_text(p.exitcode)}")
+                self.fail(f"tensor-parallel rank {rank} (pid {p.pid}) exited with {exit_text(p.exitcode)}")
             else:
                 self.fail(f"{doing} failed on tensor-parallel rank 0: {type(error).__name__}: {error}")
         return self.failure or f"{type(error).__name__}: {error}"
@@ -150,7 +143,7 @@ class RankProcesses:
         ready = wait_for_exit(list(by_sentinel))
         rank, process = by_sentinel[ready[0]]
         process.join(1.0)
-        self.fail(f"tensor-parallel rank {rank} (pid {process.pid}) exited with {_exit_text(process.exitcode)}")
+        self.fail(f"tensor-parallel rank {rank} (pid {process.pid}) exited with {exit_text(process.exitcode)}")
 
     def _terminate(self) -> None:
         for p in self.processes:
@@ -182,7 +175,7 @@ class RankProcesses:
             dist.destroy_process_group(self.group.group)
 
 
-def _wait_joined(store: dist.Store, processes: list[mp.Process]) -> None:
+def wait_joined(store: dist.Store, processes: list[mp.Process]) -> None:
     """Until every rank has reached the rendezvous; a rank that exits first (a bad install, a crash) fails it now
     rather than after the rendezvous' timeout."""
     deadline = time.monotonic() + JOIN_TIMEOUT_S
@@ -190,92 +183,11 @@ def _wait_joined(store: dist.Store, processes: list[mp.Process]) -> None:
         while not store.check([f"joined/{rank}"]):
             if process.exitcode is not None:
                 raise TensorParallelFailure(f"tensor-parallel rank {rank} (pid {process.pid}) exited with "
-                                            f"{_exit_text(process.exitcode)} while starting; its log says why")
+                                            f"{exit_text(process.exitcode)} while starting; its log says why")
             if time.monotonic() > deadline:
                 raise TensorParallelFailure(f"tensor-parallel rank {rank} did not start within {JOIN_TIMEOUT_S:.0f}s")
             time.sleep(_POLL_S)
 
 
-def launch_ranks(options: LoadOptions, size: int, progress: Progress) -> Runner:
-    """Rank 0's runner of a model split over `size` ranks, the other ranks spawned and serving."""
-    from engine.loader.load import build_runner
-
-    device = rank_device(torch.device(options.device), 0)
-    if device.type == "cuda":
-        os.environ["NCCL_NVLS_ENABLE"] = "0"  # before the ranks are spawned: they inherit it
-    store = dist.TCPStore(STORE_HOST, 0, size, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=JOIN_TIMEOUT_S))
-    context = mp.get_context("spawn")
-    processes = [context.Process(target=_rank_main, args=(options, rank, size, store.port, os.getpid()),
-                                 name=f"tensor-parallel-rank-{rank}", daemon=True) for rank in range(1, size)]
-    group = leader = None
-    try:
-        for rank, p in enumerate(processes, 1):
-            p.start()
-            log.info("tensor-parallel rank %d of %d: pid %d", rank, size, p.pid)
-        _wait_joined(store, processes)
-        group = _join(store, 0, size, device)
-        leader = RankProcesses(group, processes)
-        return build_runner(options, progress, group, leader)
-    except BaseException as e:
-        # A rank that failed to load exits (its traceback in the log): say so, rather than what the collective
-        # rank 0 was waiting in made of it.
-        processes = [p for p in processes if p.pid is not None]  # those started
-        for p in processes:
-            p.join(2.0)
-        died = [(rank, p) for rank, p in enumerate(processes, 1) if p.exitcode not in (None, 0)]
-        if leader is not None:
-            leader.close(graceful=False)  # no stop message: the ranks may be anywhere in their loading
-        for p in processes:
-            if p.is_alive():
-                p.kill()
-            p.join()
-        if group is not None and dist.is_initialized():  # nothing else uses it: left, so that a retry can join
-            dist.destroy_process_group(group.group)
-        if died and not isinstance(e, TensorParallelFailure):
-            rank, p = died[0]
-            raise TensorParallelFailure(f"tensor-parallel rank {rank} (pid {p.pid}) exited with "
-                                        f"{_exit_text(p.exitcode)} while loading; its log says why") from e
-        raise
-
-
-def _exit_with_parent(parent: int) -> None:
-    """Exit when rank 0's process is gone (a rank blocked in a collective would otherwise wait on it forever)."""
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def _rank_main(options: LoadOptions, rank: int, size: int, port: int, parent: int) -> None:
-    """A spawned rank: meet the others, load this rank's share, then run rank 0's steps until it says stop."""
-    from engine.loader.load import build_runner
-    from engine.weights import no_progress
-
-    _exit_with_parent(parent)
-    logging.basicConfig(level=logging.WARNING, format=f"tensor-parallel rank {rank}: %(levelname)s %(message)s")
-    device = rank_device(torch.device(options.device), rank)
-    if device.type == "cpu":  # the ranks share the cores (torch's count: OMP_NUM_THREADS, else the cores)
-        torch.set_num_threads(max(1, torch.get_num_threads() // size))
-    store = dist.TCPStore(STORE_HOST, port, size, is_master=False, timeout=timedelta(seconds=JOIN_TIMEOUT_S))
-    store.set(f"joined/{rank}", "1")
-    group = _join(store, rank, size, device)
-    runner = build_runner(options, no_progress, group)
-    serve_steps(runner, group)
-    dist.destroy_process_group()
-
-
-@torch.inference_mode()
-def serve_steps(runner: Runner, group: RankGroup) -> None:
-    """Run the forward pass of every step rank 0 broadcasts, over this rank's KV pool, until the stop message."""
-    while True:
-        message = receive_step(group.group, group.device)
-        if message.mode == MODE_STOP:
-            return
-        runner.forward_batch(message.batch, message.copies, hidden_states=message.mode == MODE_HIDDEN)
-
-
-__all__ = ["RankGroup", "RankProcesses", "TensorParallelFailure", "launch_ranks",
-           "serve_steps"]
+__all__ = ["RankGroup", "RankProcesses", "TensorParallelFailure", "backend_for", "join_group", "rank_device",
+           "wait_joined", "exit_text"]

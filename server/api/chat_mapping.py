@@ -19,13 +19,14 @@ from typing import Any
 from fastapi import Request
 from pydantic import ValidationError
 
-from server.errors import APIError, error_param, internal_error, invalid
+from server.api.errors import error_param
+from server.errors import APIError, internal_error, invalid
 from server.scheduling.generation import ChoiceDelta, Generation, GenerationDone
 from server.api.openai.protocol import ChatCompletionRequest
-from server.api.serving import OpenAIServing, prompt_work
+from server.api.openai.serving import OpenAIServing, prompt_work
 from server.api.openai.chat import OutputPlan, chat_prompt_ids, plan_output
 from server.api.sse import event_json
-from server.api.tool_calls import ToolPlan
+from server.api.openai.tool_calls import ToolPlan
 
 log = logging.getLogger("emberserve.serving")
 

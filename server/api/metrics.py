@@ -17,7 +17,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_late
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from server.scheduling.generation import ChoiceDelta, Event, Generation, GenerationFailed
-from server.api.request_context import RequestRecord
+from server.logs import RequestRecord
 
 PREFIX = "emberserve:"
 MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's: where every process writes its metrics

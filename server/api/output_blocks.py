@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from server.api.tool_calls import ToolPlan
+from server.api.openai.tool_calls import ToolPlan
 from server.api.tool_parser import ToolCallDelta, new_call_id
 
 __all__ = ["BlockEvent", "OutputBlock", "OutputBlocks", "call_input"]

@@ -8,58 +8,20 @@ from __future__ import annotations
 
 import logging
 import re
-import time
 import uuid
-from contextvars import ContextVar
-from dataclasses import dataclass, field
-from typing import Any
 
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.errors import APIError, answer
+from server.api.errors import answer
+from server.errors import APIError
+from server.logs import RequestRecord, reset_current_request, set_current_request
 
 access_log = logging.getLogger("emberserve.access")
 REQUEST_ID_HEADER = "x-request-id"
 # Probes and scrapes: never refused while draining, never counted in flight, logged only at debug level.
 OPEN_PATHS = frozenset({"/health", "/livez", "/metrics"})
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
-
-
-@dataclass
-class RequestRecord:
-    """What one request's log line says."""
-
-    id: str
-    method: str
-    path: str
-    started: float = field(default_factory=time.perf_counter)
-    status: int | None = None
-    model: str | None = None
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    ttft: float | None = None          # seconds from arrival to the first generated token
-    finish_reasons: list[str] = field(default_factory=list)
-    body_bytes: int | None = None      # the request body's Content-Length (None: not given, a chunked body)
-
-    def fields(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"request_id": self.id, "method": self.method, "path": self.path,
-                               "status": self.status,
-                               "duration_ms": round((time.perf_counter() - self.started) * 1000, 1)}
-        if self.model is not None:
-            reasons = sorted(set(self.finish_reasons))
-            out |= {"model": self.model, "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
-                    "ttft_ms": None if self.ttft is None else round(self.ttft * 1000, 1),
-                    "finish_reason": reasons[0] if len(reasons) == 1 else (",".join(reasons) or None)}
-        return out
-
-
-_current: ContextVar[RequestRecord | None] = ContextVar("emberserve_request", default=None)
-
-
-def current_request() -> RequestRecord | None:
-    """The record of the request this code runs for, if any."""
-    return _current.get()
 
 
 def request_id_from(headers: Headers) -> str:
@@ -88,7 +50,7 @@ class RequestContext:
         length = headers.get("content-length")
         record = RequestRecord(request_id_from(headers), scope["method"], scope["path"],
                                body_bytes=int(length) if length is not None and length.isdigit() else None)
-        token = _current.set(record)
+        token = set_current_request(record)
         probe = scope["path"] in OPEN_PATHS
 
         async def send_with_id(message: Message) -> None:
@@ -117,4 +79,4 @@ class RequestContext:
             if access_log.isEnabledFor(level):  # the record's fields are built only for a line that is written
                 access_log.log(level, "%s %s %s", record.method, record.path, record.status,
                                extra={"request": record.fields()})
-            _current.reset(token)
+            reset_current_request(token)

@@ -13,7 +13,8 @@ from server.api.openai.protocol import (ChatCompletionRequest, ChatCompletionRes
     HealthUnavailable, Liveness, ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
 from server.api.anthropic.protocol import CountTokensRequest, MessageResponse, MessagesRequest, TokenCount
 from server.api.responses.protocol import InputItemList, ResponseDeleted, ResponseObject, ResponsesRequest
-from server.api.serving import ModelState, check_model, check_token_ids, prompt_work
+from server.api.openai.serving import check_model, check_token_ids, prompt_work
+from server.scheduling.model_state import ModelState
 from server.api.openai.chat import ChatServing, chat_prompt_ids
 from server.api.openai.completions import CompletionServing
 from server.api.openai.embeddings import EmbeddingServing

@@ -12,7 +12,8 @@ from sse_starlette.event import ServerSentEvent
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
-from server.errors import APIError, count, internal_error
+from server.api.errors import count
+from server.errors import APIError, internal_error
 
 log = logging.getLogger("emberserve.serving")
 DONE = "[DONE]"

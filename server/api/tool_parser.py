@@ -3,7 +3,7 @@
 `ToolCallParser.push(text)` returns the content that is now safe to send and the tool-call deltas the text
 completed: a call's first delta carries its index, a new id and the function name; later ones carry fragments of
 its arguments, the exact characters the model wrote, so the fragments of a call concatenate to its final
-`arguments` (the non-streaming form, `calls`, is the same text). Call formats (see `server.api.tool_calls`):
+`arguments` (the non-streaming form, `calls`, is the same text). Call formats (see `server.api.openai.tool_calls`):
 
 - "hermes": text, then `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Qwen2/2.5/3);
 - "llama3": the whole output one `{"name": ..., "parameters": {...}}` object when it starts with "{" (Llama 3.x);

@@ -13,150 +13,36 @@ closed early cancels its generation, whose KV blocks the worker frees at its nex
 from __future__ import annotations
 
 import asyncio
+import queue
+import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from contextlib import aclosing, contextmanager
-from dataclasses import asdict, dataclass, fields, replace
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping, Sequence
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
-from engine import Runner
+from engine import KNOWN_MODELS, ModelFormatError, Runner
+from engine.weights import no_progress
 
-from server.api.app import start_serving
-from server.errors import APIError
-from server.scheduling.generation import ChoiceDelta, Generation, GenerationDone, GenerationFailed
 from server.api.metrics import ServerMetrics
-from server.api.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, OpenAIRequest
-from server.api.serving import ModelState, OpenAIServing, check_token_ids, request_id
 from server.api.openai.chat import chat_prompt_ids
-from server.config.settings import Settings
+from server.api.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from server.api.openai.serving import OpenAIServing, check_token_ids, request_id
+from server.config.model_catalog import is_generator_model
+from server.config.presets import get_preset
+from server.config.settings import Settings, env_name, flag_name
+from server.generator.config import (GeneratedText, GenerationConfig, GenerationError, Prompt, StreamedToken,
+                                     as_generation_errors, generation_request, ran_with)
+from server.scheduling.generation import ChoiceDelta, Generation, GenerationDone, GenerationFailed
+from server.scheduling.loading import load_model, start_serving, stop_workers
+from server.scheduling.model_state import ModelState
+from server.scheduling.threads import in_own_thread
 
-if TYPE_CHECKING:
-    from server.generator.builder import GeneratorBuilder
-
-# What a prompt may be: text (a completion), token ids, or chat messages (the model's chat template applies).
-Prompt = str | Sequence[int] | Sequence[Mapping[str, Any] | ChatMessage]
-
-
-class GenerationError(Exception):
-    """What the HTTP API would have answered with an error: the message, its status, the field at fault, the code."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.message, self.status, self.param, self.code = message, status, param, code
-
-
-@contextmanager
-def _as_generation_errors() -> Iterator[None]:
-    """APIErrors and request validation errors, raised as GenerationError."""
-    try:
-        yield
-    except APIError as e:
-        raise GenerationError(e.message, e.status, e.param, e.code) from None
-    except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(p) for p in err.get("loc", ())) or None
-        message = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
-        raise GenerationError(f"{param}: {message}" if param else message, 400, param) from None
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    """Generation values of a generator or one call; None leaves a value out (the preset's, the generator's preset,
-    the model's default applies, in that order; max_tokens left out everywhere: until an end token or the context
-    is full). `preset` names a profile of server/presets.py."""
-
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    max_tokens: int | None = None
-    min_tokens: int | None = None
-    stop: tuple[str, ...] | None = None
-    ignore_eos: bool | None = None
-    seed: int | None = None
-    preset: str | None = None
-
-    @classmethod
-    def of(cls, values: GenerationConfig | Mapping[str, Any] | None) -> GenerationConfig:
-        """A config from a mapping of its field names (a TypeError-free GenerationError for unknown ones)."""
-        if values is None:
-            return cls()
-        if isinstance(values, GenerationConfig):
-            return values
-        unknown = sorted(set(values) - {f.name for f in fields(cls)})
-        if unknown:
-            raise GenerationError(f"unknown generation settings: {', '.join(unknown)}; known: "
-                                  f"{', '.join(f.name for f in fields(cls))}", param=unknown[0])
-        stop = values.get("stop")
-        return cls(**{**values, "stop": (stop,) if isinstance(stop, str) else None if stop is None else tuple(stop)})
-
-    def merged(self, overrides: GenerationConfig) -> GenerationConfig:
-        """This config with the values `overrides` sets replacing ours."""
-        return replace(self, **{k: v for k, v in asdict(overrides).items() if v is not None})
-
-    def request_fields(self) -> dict[str, Any]:
-        """The values set, as request fields (a budget left out is the rest of the context, not completions' 16)."""
-        out = {k: v for k, v in asdict(self).items() if v is not None}
-        if "stop" in out:
-            out["stop"] = [out["stop"]] if isinstance(out["stop"], str) else list(out["stop"])
-        out.setdefault("max_tokens", None)
-        return out
-
-
-@dataclass(frozen=True)
-class StreamedToken:
-    """One generated token: its id, the text it adds (empty while a character or a possible stop string is still
-    incomplete; that text comes with a later token), its logprob under the model, and the finish reason on the
-    last one."""
-
-    id: int
-    text: str
-    logprob: float
-    finish_reason: str | None = None
-
-
-@dataclass(frozen=True)
-class GeneratedText:
-    """A finished generation: the text, the tokens (an end token that stopped it included), their logprobs, why it
-    ended ("stop": an end token or stop string; "length": max_tokens or the context), the token counts and the
-    values it ran with (`config`: every sampling value as resolved, the budget, the preset)."""
-
-    text: str
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    prompt_tokens: int
-    cached_tokens: int
-    config: GenerationConfig
-
-    def __str__(self) -> str:
-        return self.text
-
-
-def _ran_with(gen: Generation, preset: str | None) -> GenerationConfig:
-    p = gen.params
-    return GenerationConfig(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
-                            repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
-                            frequency_penalty=p.frequency_penalty, max_tokens=gen.max_tokens,
-                            min_tokens=gen.min_tokens, stop=tuple(gen.stop), ignore_eos=gen.ignore_eos, seed=p.seed,
-                            preset=preset)
-
-
-def generation_request(model: str, prompt: Prompt, config: GenerationConfig, stream: bool = False) -> OpenAIRequest:
-    """The request the HTTP API would get for this call, validated by its models (GenerationError otherwise): a
-    completion for text or token ids, a chat completion for messages."""
-    body = {"model": model, **config.request_fields(), "stream": stream}
-    with _as_generation_errors():
-        if isinstance(prompt, str) or all(isinstance(t, int) for t in prompt):
-            return CompletionRequest.model_validate(
-                {**body, "prompt": prompt if isinstance(prompt, str) else list(prompt)})
-        messages = [m.model_dump(exclude_none=True) if isinstance(m, ChatMessage) else dict(m) for m in prompt]
-        return ChatCompletionRequest.model_validate({**body, "messages": messages})
+T = TypeVar("T")
+Overrides = GenerationConfig | Mapping[str, Any] | None
+_END = object()
 
 
 class Generator:
@@ -173,8 +59,6 @@ class Generator:
     @staticmethod
     def builder(model: str) -> GeneratorBuilder:
         """A builder for a known model name (see `available_models()`), or a .gguf file or safetensors directory."""
-        from server.generator.builder import GeneratorBuilder
-
         return GeneratorBuilder(model)
 
     @classmethod
@@ -248,7 +132,7 @@ class Generator:
                     done = event
         assert done is not None and finish is not None  # _events ends with GenerationDone or raises
         return GeneratedText("".join(text), tokens, logprobs, finish, done.prompt_tokens, done.cached_tokens,
-                             _ran_with(gen, self._preset_name(req)))
+                             ran_with(gen, self._preset_name(req)))
 
     async def stream(self, prompt: Prompt, overrides: GenerationConfig | Mapping[str, Any] | None = None
                      ) -> AsyncIterator[StreamedToken]:
@@ -278,7 +162,7 @@ class Generator:
         return generation_request(self.model_name, prompt, config, stream)
 
     def _prompt_ids(self, req: OpenAIRequest) -> list[int]:
-        with _as_generation_errors():
+        with as_generation_errors():
             if isinstance(req, ChatCompletionRequest):
                 return chat_prompt_ids(self.state, req.messages, add_generation_prompt=True)
             assert isinstance(req, CompletionRequest)
@@ -295,7 +179,7 @@ class Generator:
         arrival = time.perf_counter()
         req = self._request(prompt, self.config.merged(GenerationConfig.of(overrides)), stream)
         ids = await asyncio.to_thread(self._prompt_ids, req)  # a chat template or a long text: off the loop
-        with _as_generation_errors():
+        with as_generation_errors():
             params = self.serving.sampling_params(req, True, 0)
             budget = self.serving.completion_budget(req, len(ids), "max_tokens")
             gen = self.serving.new_generation(req, ids, params, budget, request_id("gen"), arrival)
@@ -307,7 +191,7 @@ class Generator:
         self._open.add(gen)
         try:
             async with aclosing(self.serving.events([gen])) as events:
-                with _as_generation_errors():
+                with as_generation_errors():
                     async for _, event in events:
                         yield event
         finally:
@@ -329,3 +213,239 @@ class Generator:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+class GeneratorBuilder:
+    """`Generator.builder(model)`: chain the set-up calls, then `await .build()` (or `.build_sync()`)."""
+
+    def __init__(self, model: str) -> None:
+        self._settings: dict[str, Any] = {"model": model}
+        self._config: dict[str, Any] = {}
+        self._quiet = False
+        self._offline = False
+
+    # ---- where it runs ----
+    def device(self, device: str) -> GeneratorBuilder:
+        """Any torch device: cpu, cuda, cuda:1, ..."""
+        return self.setting("device", device)
+
+    def cpu(self) -> GeneratorBuilder:
+        return self.device("cpu")
+
+    def gpu(self, index: int | None = None) -> GeneratorBuilder:
+        """The (first, or `index`th) CUDA GPU."""
+        return self.device("cuda" if index is None else f"cuda:{index}")
+
+    def model_path(self, path: str | Path) -> GeneratorBuilder:
+        """Load the weights from a .gguf file or a safetensors directory; the builder's name stays the model's
+        name (`Generator.model_name`)."""
+        self._settings.setdefault("served_model_name", self._settings["model"])
+        return self.setting("model", str(path))
+
+    def prefix_cache(self, enabled: bool = True) -> GeneratorBuilder:
+        """Reuse the KV cache of prompt prefixes seen before (on by default)."""
+        return self.setting("prefix_caching", enabled)
+
+    def draft(self, name: str, num_tokens: int) -> GeneratorBuilder:
+        """Speculative decoding with a draft model of the same vocabulary (a name, a path, or `self-int4` /
+        `self-int8`: this model quantized) proposing up to `num_tokens` tokens a step."""
+        return self.setting("draft_model", name).setting("num_speculative_tokens", num_tokens)
+
+    def offline(self) -> GeneratorBuilder:
+        """Never fetch anything. emberserve never downloads weights (they come from installed packages or local
+        paths), so this only makes `build()` refuse at once a model that is not installed or not found."""
+        self._offline = True
+        return self
+
+    def quiet(self) -> GeneratorBuilder:
+        """No load progress bar on stderr."""
+        self._quiet = True
+        return self
+
+    def setting(self, name: str, value: Any) -> GeneratorBuilder:
+        """Any server setting by its Settings field name (`max_running`, `quant`, `kv_cache_memory`, ...)."""
+        if name not in Settings.model_fields:
+            raise ValueError(f"unknown setting {name!r}; the settings are {', '.join(Settings.model_fields)}")
+        self._settings[name] = value
+        return self
+
+    # ---- generation values ----
+    def temperature(self, value: float) -> GeneratorBuilder:
+        return self._value("temperature", value)
+
+    def top_p(self, value: float) -> GeneratorBuilder:
+        return self._value("top_p", value)
+
+    def top_k(self, value: int) -> GeneratorBuilder:
+        return self._value("top_k", value)
+
+    def min_p(self, value: float) -> GeneratorBuilder:
+        return self._value("min_p", value)
+
+    def repetition_penalty(self, value: float) -> GeneratorBuilder:
+        return self._value("repetition_penalty", value)
+
+    def max_tokens(self, value: int) -> GeneratorBuilder:
+        return self._value("max_tokens", value)
+
+    def seed(self, value: int) -> GeneratorBuilder:
+        return self._value("seed", value)
+
+    def greedy(self) -> GeneratorBuilder:
+        """Always the most likely token (temperature 0)."""
+        return self.temperature(0.0)
+
+    def preset(self, name: str) -> GeneratorBuilder:
+        """Start every call from a preset's values (server/presets.py; a call may name another)."""
+        return self.setting("preset", get_preset(name).name)
+
+    def creative(self) -> GeneratorBuilder:
+        return self.preset("creative")
+
+    def precise(self) -> GeneratorBuilder:
+        return self.preset("precise")
+
+    def _value(self, name: str, value: Any) -> GeneratorBuilder:
+        self._config[name] = value
+        return self
+
+    # ---- building ----
+    def settings(self) -> Settings:
+        """The server settings collected so far, validated (ValueError naming the setting otherwise)."""
+        try:
+            return Settings(**self._settings)
+        except ValidationError as e:
+            err = e.errors()[0]
+            name = str(err["loc"][0]) if err["loc"] else "settings"
+            raise ValueError(f"{name} ({flag_name(name)} / {env_name(name)}): {err['msg']}") from None
+
+    async def build(self) -> Generator:
+        """Load the model (on a thread of its own, as the server does) and start its worker."""
+        settings = self.settings()
+        config = GenerationConfig.of(self._config)
+        generation_request(settings.model, "", config)  # the values are a valid request, or this raises now
+        if settings.model in KNOWN_MODELS and not is_generator_model(settings.model):
+            raise ValueError(f"{settings.model} is an encoder: it embeds, it does not generate")
+        if self._offline:
+            _check_local(settings.model)
+        progress = no_progress if self._quiet else None
+        state = await in_own_thread(lambda: load_model(settings, progress=progress, prepare_grammars=False),
+                                     stop_workers)
+        return Generator(state, config)
+
+    def build_sync(self) -> SyncGenerator:
+        """A `SyncGenerator`: the same generator for scripts, run on an event loop thread of its own."""
+        from server.generator.sync import SyncGenerator
+
+        return SyncGenerator(self.build())
+
+
+def _check_local(model: str) -> None:
+    """Refuse a model that would need anything fetched: a known one not installed, or a path that is missing."""
+    known = KNOWN_MODELS.get(model)
+    if known is not None:
+        known.path()  # ModelNotInstalledError with the install command
+    elif not Path(model).exists():
+        raise ModelFormatError(f"model not found: {model!r} is neither a known model name "
+                               f"({', '.join(KNOWN_MODELS)}) nor an existing path")
+
+
+class SyncGenerator:
+    """`Generator.builder(...).build_sync()`; `close()` it, or use it in a `with` block."""
+
+    def __init__(self, build: Coroutine[Any, Any, Generator]) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="emberserve-generator-loop", daemon=True)
+        self._thread.start()
+        try:
+            self.generator: Generator = self._wait(build)
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    def _wait(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    # ---- what is served ----
+    @property
+    def model_name(self) -> str:
+        return self.generator.model_name
+
+    @property
+    def device(self) -> str:
+        return self.generator.device
+
+    @property
+    def context_size(self) -> int:
+        return self.generator.context_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.generator.vocab_size
+
+    @property
+    def generation_config(self) -> GenerationConfig:
+        return self.generator.generation_config
+
+    # ---- generating ----
+    def generate(self, prompt: Prompt) -> GeneratedText:
+        return self._wait(self.generator.generate(prompt))
+
+    def generate_with_config(self, prompt: Prompt, overrides: Overrides) -> GeneratedText:
+        return self._wait(self.generator.generate_with_config(prompt, overrides))
+
+    def generate_batch(self, prompts: Sequence[Prompt], overrides: Overrides = None) -> list[GeneratedText]:
+        """Every prompt at once (batched by the worker), the results in the prompts' order."""
+        async def every() -> list[GeneratedText]:
+            return list(await asyncio.gather(*(self.generator.generate_with_config(p, overrides) for p in prompts)))
+
+        return self._wait(every())
+
+    def stream(self, prompt: Prompt, overrides: Overrides = None) -> Iterator[StreamedToken]:
+        """The tokens as they come; leaving the loop early (or closing the iterator) cancels the generation."""
+        items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+        async def pump() -> None:
+            try:
+                async with aclosing(self.generator.stream(prompt, overrides)) as tokens:
+                    async for token in tokens:
+                        items.put(token)
+            except BaseException as e:  # handed to the reading thread (a cancellation included)
+                items.put(e)
+            finally:
+                items.put(_END)
+
+        future = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        try:
+            while (item := items.get()) is not _END:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            future.cancel()  # no-op when it is done; else the stream is closed and its generation cancelled
+
+    def stream_text(self, prompt: Prompt, overrides: Overrides = None) -> Iterator[str]:
+        for token in self.stream(prompt, overrides):
+            if token.text:
+                yield token.text
+
+    # ---- closing ----
+    def close(self) -> None:
+        """Close the generator (its worker threads) and end the loop thread."""
+        if self._loop.is_closed():
+            return
+        try:
+            self._wait(self.generator.close())
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> SyncGenerator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import shutil
 import sys
@@ -10,23 +9,22 @@ import tempfile
 from pathlib import Path
 from typing import Any, Literal, Optional, get_args, get_origin
 
-import uvicorn
 from pydantic import ValidationError
 
 from engine import KNOWN_MODELS, ModelFormatError, ModelNotInstalledError
 from engine.__main__ import add_commands, run
 
 from server import __version__
-from server.api.app import SELF_DRAFTS, create_app
-from server.launch.lifecycle import DrainingServer
+from server.api.app import create_app
+from server.launch.http_fronts import Fronts
+from server.scheduling.loading import SELF_DRAFTS
+from server.scheduling.threads import cap_malloc_arenas
+from server.launch.lifecycle import EXIT_LOAD_FAILED, EXIT_WORKER_FAILED, serve_until_stopped
 from server.logs import configure_logging
 from server.api.metrics import share_metrics_across_processes
 from server.config.presets import presets_text
 from server.config.settings import Settings, env_name, flag_name
 
-EXIT_LOAD_FAILED = 3
-EXIT_WORKER_FAILED = 4
-FINAL_CLOSE_S = 1  # after the drain: how long uvicorn waits for open responses before cancelling them
 log = logging.getLogger("emberserve")
 
 
@@ -52,22 +50,6 @@ def _settings_arguments(parser: argparse.ArgumentParser) -> None:
                                 help=help_text)
     parser.add_argument("--no-prefix-cache", dest="prefix_caching", action="store_false", default=argparse.SUPPRESS,
                         help="the same as --no-prefix-caching")
-
-
-def cap_malloc_arenas(arenas: int = 2) -> bool:
-    """Cap glibc's malloc arenas (one per thread by default) before any worker or OpenMP thread starts.
-
-    Memory freed in one thread's arena serves only that arena, so with the worker, OpenMP's and the event loop's
-    threads all allocating, RSS crept up under load (the soak's check, 3-6% between its first mark and its end);
-    two arenas keep it flat at no measured cost to prefill or decode (bench/RESULTS.md). False where the C
-    library is not glibc (nothing to do there)."""
-    try:
-        return bool(ctypes.CDLL("libc.so.6").mallopt(_M_ARENA_MAX, arenas))
-    except (OSError, AttributeError):
-        return False
-
-
-_M_ARENA_MAX = -8  # glibc's malloc.h
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -111,19 +93,12 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _run_server(settings: Settings) -> int:
-    app = create_app(settings)
+    app = create_app(settings, start_fronts=Fronts)
     log.info("emberserve %s: loading %s on %s; will listen on http://%s:%d/v1", __version__, settings.model,
              settings.device, settings.host, settings.port)
     log.debug("settings: %r", settings)  # SecretStr: the API key shows as '**********'
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            log_config=None, access_log=False, timeout_graceful_shutdown=FINAL_CLOSE_S)
-    server = DrainingServer(config, app, grace=settings.shutdown_grace)
-    app.state.request_shutdown = lambda: setattr(server, "should_exit", True)
-    if settings.api_server_count > 1:  # bound here, as uvicorn's own workers do, for every HTTP process to share
-        app.state.listen_socket = config.bind_socket()
-        server.run(sockets=[app.state.listen_socket])
-    else:
-        server.run()
+    # Several HTTP processes: the port is bound here, as uvicorn's own workers do, for every one of them to share.
+    serve_until_stopped(app, settings, bind=settings.api_server_count > 1)
     if app.state.load_error:
         print(f"error: cannot load model {settings.model!r}: {app.state.load_error}", file=sys.stderr)
         return EXIT_LOAD_FAILED

@@ -23,8 +23,13 @@ import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 
-from server.process.wire import ServedModel
+from server.api.app import create_app
+from server.api.metrics import MULTIPROCESS_ENV, share_metrics_across_processes
 from server.config.settings import Settings
+from server.launch.lifecycle import EXIT_WORKER_FAILED, serve_until_stopped
+from server.logs import configure_logging
+from server.scheduling.model_state import ServedModel
+from server.scheduling.threads import cap_malloc_arenas
 
 log = logging.getLogger("emberserve")
 STOP_MARGIN_S = 10.0  # past the drain's grace, for an HTTP process to exit before it is killed
@@ -81,23 +86,11 @@ class Fronts:
 
 def serve_front(settings: Settings, conn: Connection, served: ServedModel, sock: socket.socket, index: int) -> None:
     """An HTTP process's main: the app over the engine's pipe `conn`, on the shared listening socket."""
-    import uvicorn
-
-    from server.api.app import create_app
-    from server.launch.cli import EXIT_WORKER_FAILED, FINAL_CLOSE_S, cap_malloc_arenas
-    from server.launch.lifecycle import DrainingServer
-    from server.logs import configure_logging
-    from server.api.metrics import MULTIPROCESS_ENV, share_metrics_across_processes
-
     cap_malloc_arenas()
     configure_logging(settings.log_level, settings.log_format)
     share_metrics_across_processes(os.environ[MULTIPROCESS_ENV])
     app = create_app(settings, engine=(conn, served))
-    config = uvicorn.Config(app, log_level=settings.log_level, log_config=None, access_log=False,
-                            timeout_graceful_shutdown=FINAL_CLOSE_S)
-    server = DrainingServer(config, app, grace=settings.shutdown_grace)
-    app.state.request_shutdown = lambda: setattr(server, "should_exit", True)
     log.debug("HTTP process %d serving", index)
-    server.run(sockets=[sock])
+    serve_until_stopped(app, settings, sock)
     if app.state.fatal_error:
         sys.exit(EXIT_WORKER_FAILED)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import threading
 import time
 from types import FrameType
@@ -11,8 +12,26 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
+from server.config.settings import Settings
+
 log = logging.getLogger("emberserve")
 POLL_S = 0.05
+FINAL_CLOSE_S = 1  # after the drain: how long uvicorn waits for open responses before cancelling them
+EXIT_LOAD_FAILED = 3
+EXIT_WORKER_FAILED = 4
+
+
+def serve_until_stopped(app: FastAPI, settings: Settings, sock: socket.socket | None = None, bind: bool = False) -> None:
+    """Serve `app` with a `DrainingServer` until it stops: on `sock` (a socket another process bound and shares),
+    on one bound here for the other HTTP processes to share (`bind`: `app.state.listen_socket`), or on the
+    settings' host and port."""
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            log_config=None, access_log=False, timeout_graceful_shutdown=FINAL_CLOSE_S)
+    server = DrainingServer(config, app, grace=settings.shutdown_grace)
+    app.state.request_shutdown = lambda: setattr(server, "should_exit", True)
+    if bind:
+        sock = app.state.listen_socket = config.bind_socket()
+    server.run(sockets=None if sock is None else [sock])
 
 
 class DrainingServer(uvicorn.Server):

@@ -32,7 +32,8 @@ from typing import Any
 from server.scheduling.embedding_jobs import EmbeddingJob
 from server.errors import APIError
 from server.process.engine import serve_engine
-from server.process.wire import GENERATION_FIELDS, JOB_FIELDS, ServedModel, decode_event, is_final
+from server.process.wire import GENERATION_FIELDS, JOB_FIELDS, decode_event, is_final
+from server.scheduling.model_state import ServedModel
 from server.scheduling.generation import Generation, GenerationFailed, Submission, hand_over
 from server.config.settings import Settings
 from server.scheduling.worker import queue_full_error, worker_failed_error

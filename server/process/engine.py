@@ -13,18 +13,22 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from server.scheduling.embedding_jobs import EmbeddingJob
-from server.process.wire import ServedModel, encode_event, is_final
+from server.process.wire import encode_event, is_final
+from server.scheduling.model_state import ServedModel
 from server.errors import APIError
 from server.scheduling.generation import Generation, GenerationFailed, Submission
 from server.grammar.compiler import GrammarCompiler, StructuredOutputError
 from server.process.response_store import ResponseStore
 from server.config.settings import Settings
+from server.logs import configure_logging
+from server.scheduling.loading import load_model
+from server.scheduling.threads import GIL_SWITCH_INTERVAL_S, cap_malloc_arenas
 
 log = logging.getLogger("emberserve.engine_process")
 _STORE_LOCK = threading.Lock()  # the shared response store, used from every pipe's thread
 
 
-class _EngineSide:
+class EngineSide:
     """The engine process's end of the pipe: builds each submission for the pool and sends its events back
     (the `sink` of every Generation and EmbeddingJob it holds)."""
 
@@ -174,22 +178,18 @@ def serve_engine(conns: list[Connection], settings: Settings) -> None:
     # or its end of the pipe closes.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from server.api.app import GIL_SWITCH_INTERVAL_S, _load
-    from server.launch.cli import cap_malloc_arenas
-    from server.logs import configure_logging
-
     cap_malloc_arenas()
     configure_logging(settings.log_level, settings.log_format)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     store = ResponseStore(settings.responses_store_size, settings.responses_store_ttl) if len(conns) > 1 else None
-    main, *fronts = [_EngineSide(conn, store) for conn in conns]
+    main, *fronts = [EngineSide(conn, store) for conn in conns]
 
     def worker_failed(worker: Any) -> None:  # on the worker's thread
         for side in (main, *fronts):
             side.send(("failed", f"{worker.name} stopped serving: {worker.failure}"))
 
     try:
-        state = _load(settings, worker_failed)
+        state = load_model(settings, worker_failed)
     except Exception as e:
         log.debug("the model did not load", exc_info=e)
         main.send(("load_failed", str(e)))
@@ -199,10 +199,10 @@ def serve_engine(conns: list[Connection], settings: Settings) -> None:
     serve_pipes(state, main, fronts)
 
 
-def serve_pipes(state: Any, main: _EngineSide, fronts: list[_EngineSide]) -> None:
+def serve_pipes(state: Any, main: EngineSide, fronts: list[EngineSide]) -> None:
     """Serve every HTTP process's pipe (the others' on threads of their own) until the main one says stop or goes
     away; then stop the workers and say so."""
-    def serve_front(side: _EngineSide, index: int) -> None:
+    def serve_front(side: EngineSide, index: int) -> None:
         side.serve(state)
         log.info("HTTP process %d closed its pipe: its requests are cancelled", index)
         side.close()

@@ -3,49 +3,12 @@ model's facts, submissions as dicts of their fields, and events, the frequent Ch
 tenth of a pickled dataclass's bytes, and cheaper both ways)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import Any
 
-import torch
-
-from engine.tokenizer.tokenizer import Tokenizer
 
 from server.scheduling.embedding_jobs import EmbeddingJob
 from server.scheduling.generation import ChoiceDelta, Generation, PromptLogprobs, TokenLogprob
-
-
-@dataclass(frozen=True)
-class CacheLayout:
-    """What the HTTP side reads of the KV block manager."""
-
-    block_size: int
-    prefix_caching: bool
-
-
-@dataclass(frozen=True)
-class ServedModel:
-    """What the HTTP side reads of the first worker's runner (`ModelState.runner` in the HTTP process)."""
-
-    name: str
-    family: str
-    device: torch.device
-    dtype: torch.dtype
-    quant: str
-    deterministic: bool
-    context_size: int
-    vocab_size: int
-    is_encoder: bool
-    embedding_size: int
-    generation_defaults: dict[str, Any]
-    tokenizer: Tokenizer
-    blocks: CacheLayout | None
-
-    @classmethod
-    def of(cls, runner: Any) -> ServedModel:
-        blocks = None if runner.blocks is None else CacheLayout(runner.blocks.block_size, runner.blocks.prefix_caching)
-        return cls(runner.name, runner.family, runner.device, runner.dtype, runner.quant, runner.deterministic,
-                   runner.context_size, runner.vocab_size, runner.is_encoder, runner.embedding_size,
-                   dict(runner.generation_defaults), runner.tokenizer, blocks)
 
 
 # What stays in its process: the asyncio side, the event sink, the cancellation hook and flag; and the compiled

@@ -29,7 +29,7 @@ from test_metrics import idle, scrape, value
 
 MODEL = "smollm2-135m"
 ENGINE = ("--model", MODEL, *EXACT, "--engine-process")
-EXIT_WORKER_FAILED = 4  # server/cli.py
+EXIT_WORKER_FAILED = 4  # server/launch/lifecycle.py
 EXIT_WITHIN_S = 30.0
 
 

@@ -22,7 +22,7 @@ from tiny_models import build_tiny_model
 from engine import load_runner
 
 SERVED = "tiny-tp"
-EXIT_WORKER_FAILED = 4  # server/cli.py
+EXIT_WORKER_FAILED = 4  # server/launch/lifecycle.py
 QUESTIONS = ["Hello there, how are you today?", "The quick brown fox jumps over the lazy dog.",
              "Numbers like 12 and 345 are split into pieces."]
 

@@ -123,7 +123,7 @@ def test_scripted_calls_take_the_kernels(call):
 
 _FALLBACK = """
 import torch
-from engine import cpu_kernels, fused_kernels, fused_kernels_torch
+from engine.kernels import cpu as cpu_kernels, fused as fused_kernels, fused_torch as fused_kernels_torch
 assert not cpu_kernels.available() and not fused_kernels.CPU_KERNELS
 x, r, w = torch.randn(3, 64), torch.randn(3, 64), torch.rand(64) + 0.5
 got = torch.ops.emberserve.add_rms_norm(x, r, w, 1e-6)

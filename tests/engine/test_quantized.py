@@ -19,7 +19,7 @@ from gguf.constants import GGMLQuantizationType as Q
 from gguf.quants import quantize as gguf_quantize
 
 from engine import load_runner
-from engine.loader.load import resolve_quant
+from engine.loader.build import resolve_quant
 from engine.runtime.quality import TextScore, score_text
 from engine.runtime.quality import agreement as quality_agreement
 from engine.model.batch import StepRow

@@ -9,7 +9,7 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from server.process.engine import _EngineSide, serve_pipes
+from server.process.engine import EngineSide, serve_pipes
 from server.process.response_store import ResponseStore
 from server.scheduling.generation import Generation, GenerationFailed
 from server.grammar.compiler import GrammarCompiler, GrammarSpec
@@ -49,7 +49,7 @@ def _serve(grammars: GrammarCompiler, messages: list[list[tuple]], *, submitted:
     and `replies` messages back, then stop; what the pool got and every message that came back."""
     here, there = multiprocessing.Pipe()
     pool = RecordingPool()
-    side = _EngineSide(there)
+    side = EngineSide(there)
     serving = threading.Thread(target=serve_pipes, args=(SimpleNamespace(pool=pool, grammars=grammars), side, []))
     serving.start()
     for batch in messages:
@@ -104,7 +104,7 @@ def test_an_http_process_that_leaves_has_its_generations_cancelled_and_the_engin
     main_here, main_there = multiprocessing.Pipe()
     front_here, front_there = multiprocessing.Pipe()
     pool, store = RecordingPool(), ResponseStore(max_items=8, max_age=60)
-    main, front = _EngineSide(main_there, store), _EngineSide(front_there, store)
+    main, front = EngineSide(main_there, store), EngineSide(front_there, store)
     serving = threading.Thread(target=serve_pipes, args=(SimpleNamespace(pool=pool, grammars=grammars), main,
                                                           [front]))
     serving.start()

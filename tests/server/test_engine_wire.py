@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from engine import Runner, load_runner
-from server.api.app import model_state
+from server.scheduling.loading import model_state
 from server.scheduling.embedding_jobs import EmbeddingsDone
-from server.process.wire import CacheLayout, ServedModel, decode_event, encode_event, is_final
+from server.process.wire import decode_event, encode_event, is_final
+from server.scheduling.model_state import CacheLayout, ServedModel
 from server.scheduling.generation import ChoiceDelta, GenerationDone, GenerationFailed, PromptLogprobs, TokenLogprob
 from server.config.settings import Settings
 

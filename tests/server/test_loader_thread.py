@@ -1,4 +1,4 @@
-"""The model loads on a thread of its own that ends with the load (server/app.py `_in_own_thread`).
+"""The model loads on a thread of its own that ends with the load (server/app.py `in_own_thread`).
 
 Why it matters: a thread that ran torch's parallel ops keeps its OpenMP team while it lives, and with more OpenMP
 threads alive than cores libgomp sleeps at every barrier instead of spinning (bench/RESULTS.md: one stream 17 vs
@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from server.api.app import _in_own_thread
+from server.scheduling.threads import in_own_thread
 
 
 def test_the_load_runs_on_a_new_thread_that_is_gone_afterwards() -> None:
@@ -23,7 +23,7 @@ def test_the_load_runs_on_a_new_thread_that_is_gone_afterwards() -> None:
         a = torch.randn(256, 256)
         return float((a @ a).sum())  # a parallel op, as loading runs
 
-    result = asyncio.run(_in_own_thread(load))
+    result = asyncio.run(in_own_thread(load))
     assert isinstance(result, float)
     assert seen[0] is not threading.main_thread() and seen[0].name == "model-loader"
     seen[0].join(5)
@@ -36,7 +36,7 @@ def test_a_failed_load_raises_in_the_awaiting_task() -> None:
         raise FileNotFoundError("no such model")
 
     with pytest.raises(FileNotFoundError, match="no such model"):
-        asyncio.run(_in_own_thread(load))
+        asyncio.run(in_own_thread(load))
 
 
 def test_a_cancelled_load_waits_for_the_thread_and_discards_what_it_made() -> None:
@@ -50,7 +50,7 @@ def test_a_cancelled_load_waits_for_the_thread_and_discards_what_it_made() -> No
         return "state"
 
     async def main() -> None:
-        task = asyncio.create_task(_in_own_thread(load, discarded.append))
+        task = asyncio.create_task(in_own_thread(load, discarded.append))
         while not seen:
             await asyncio.sleep(0.01)
         task.cancel()

@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from server.api.output_blocks import BlockEvent, OutputBlocks, call_input
 from server.api.openai.protocol import ToolDefinition
-from server.api.tool_calls import plan_tools
+from server.api.openai.tool_calls import plan_tools
 
 HERMES_TEMPLATE = "<tool_call>"  # a template that writes the marker: the hermes format
 PLAIN_TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}"  # no tool support: the generic format

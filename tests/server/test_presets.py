@@ -21,7 +21,8 @@ from server.api.metrics import ServerMetrics
 from server.config.presets import PRESETS, SAMPLING_FIELDS, get_preset, presets_table
 from server.api.openai.protocol import ChatCompletionRequest, CompletionRequest
 from server.sampling.sampler import SamplingParams
-from server.api.serving import ModelState, OpenAIServing
+from server.api.openai.serving import OpenAIServing
+from server.scheduling.model_state import ModelState
 from server.config.settings import Settings
 
 MODEL = "smollm2-135m"

@@ -6,15 +6,15 @@ import threading
 
 import pytest
 
-from server.api.request_context import RequestRecord, _current
-from server.api.serving import INLINE_PROMPT_BYTES, prompt_work
+from server.logs import RequestRecord, set_current_request
+from server.api.openai.serving import INLINE_PROMPT_BYTES, prompt_work
 
 
 @pytest.mark.parametrize(("body_bytes", "inline"), [(200, True), (INLINE_PROMPT_BYTES, True),
                                                     (INLINE_PROMPT_BYTES + 1, False), (None, False)])
 def test_prompt_work_runs_inline_only_for_a_small_body(body_bytes: int | None, inline: bool) -> None:
     async def main() -> bool:
-        _current.set(RequestRecord("id", "POST", "/v1/completions", body_bytes=body_bytes))
+        set_current_request(RequestRecord("id", "POST", "/v1/completions", body_bytes=body_bytes))
         loop_thread = threading.get_ident()
         ran_on = await prompt_work(threading.get_ident)
         return ran_on == loop_thread
@@ -34,7 +34,7 @@ def test_prompt_work_raises_the_work_s_error_either_way() -> None:
         raise ValueError("bad prompt")
 
     async def main(size: int) -> None:
-        _current.set(RequestRecord("id", "POST", "/v1/completions", body_bytes=size))
+        set_current_request(RequestRecord("id", "POST", "/v1/completions", body_bytes=size))
         await prompt_work(bad)
 
     for size in (10, INLINE_PROMPT_BYTES * 2):

@@ -221,7 +221,7 @@ def test_unexpected_exception_mid_stream_is_an_error_event_then_done(
     def broken(self, *args):
         raise KeyError(SECRET)
 
-    monkeypatch.setattr("server.api.serving.OpenAIServing.usage", broken)
+    monkeypatch.setattr("server.api.openai.serving.OpenAIServing.usage", broken)
 
     async def scenario(http: httpx.AsyncClient, app) -> None:
         r = await http.post(path, json={**body, "stream": True, "stream_options": {"include_usage": True}})

@@ -154,7 +154,7 @@ def test_malloc_arenas_are_capped_on_glibc() -> None:
     """The cap the serve command sets before its threads start (the soak's flat-RSS check relies on it)."""
     import platform
 
-    from server.launch.cli import cap_malloc_arenas
+    from server.scheduling.threads import cap_malloc_arenas
 
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("not glibc")

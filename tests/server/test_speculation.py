@@ -14,7 +14,7 @@ import torch  # tests/engine's random tiny models
 
 from engine import Runner, load_runner
 from engine.cache.kv_cache import kv_bytes_per_token
-from server.api.app import load_speculator
+from server.scheduling.loading import load_speculator
 from server.speculative.draft_model import DraftModel, vocabulary_mismatch
 from server.scheduling.generation import ChoiceDelta, Generation, GenerationDone
 from server.scheduling.progress import LoadProgress

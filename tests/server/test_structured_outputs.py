@@ -15,7 +15,7 @@ from schema_cases import OBJ, SCHEMAS
 from server.grammar.compiler import GrammarCompiler, GrammarSpec, StructuredOutputError
 from server.api.openai.protocol import ResponseFormat, StructuredOutputs
 from server.sampling.sampler import SamplingParams, SequenceSampler, sample_batch
-from server.api.structured_outputs import output_grammar
+from server.api.openai.structured_outputs import output_grammar
 from server.grammar.token_bitmask import allocate_bitmask, allowed_tokens, apply_token_bitmask, unpack_bitmask
 
 STRING_LITERAL = re.compile(r'"(?:[^"\\]|\\.)*"')

@@ -13,7 +13,7 @@ from schema_cases import SCHEMAS
 from engine.tokenizer.tokenizer import Tokenizer
 from server.grammar.compiler import StructuredOutputError
 from server.api.openai.protocol import ChatMessage, NamedToolChoice, ToolDefinition
-from server.api.tool_calls import plan_tools, template_messages, tool_format
+from server.api.openai.tool_calls import plan_tools, template_messages, tool_format
 from server.api.tool_parser import ToolCallParser
 
 HERMES_TEMPLATE = "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>{% endif %}<tool_call>"

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from engine.model.quant import GROUP_SIZE, Affine4Bit, PackedLinear, kernel_dense_weights
+from engine.model.quant.formats import GROUP_SIZE, Affine4Bit, PackedLinear, kernel_dense_weights
 
 _ROW_MULTIPLE = 8  # tinygemm's output tiles: rows are padded to a multiple and sliced off the output
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from engine.kernels import cpu as cpu_kernels
-from engine.model.quant import GROUP_SIZE, Affine4Bit, PackedLinear
+from engine.model.quant.formats import GROUP_SIZE, Affine4Bit, PackedLinear
 
 TILE = 16  # output rows per tile: one int32 lane each
 

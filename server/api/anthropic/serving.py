@@ -26,9 +26,9 @@ from server.api.output_blocks import BlockEvent, OutputBlock, OutputBlocks, call
 from server.api.anthropic.protocol import (AnthropicConversation, AnthropicMessage, AnthropicResponseText,
     AnthropicToolUse, AnthropicUsage, CountTokensRequest, MessageResponse, MessagesRequest, StopReason, TextBlock,
     TokenCount, ToolChoice, ToolResultBlock, joined)
-from server.api.serving import cancel
+from server.api.openai.serving import cancel
 from server.api.sse import sse_response
-from server.api.tool_calls import ToolPlan
+from server.api.openai.tool_calls import ToolPlan
 
 CHAT_TOOL_CHOICE = {"auto": "auto", "any": "required", "none": "none"}
 

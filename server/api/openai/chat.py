@@ -16,10 +16,11 @@ from server.scheduling.generation import ChoiceDelta, Generation, GenerationDone
 from server.grammar.compiler import GrammarSpec, StructuredOutputError
 from server.api.openai.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
     ChatMessage, FunctionCall, ResponseMessage, TokenLogprob as TokenLogprobModel, ToolCall)
-from server.api.serving import ModelState, OpenAIServing, cancel, prompt_work, request_id
+from server.api.openai.serving import OpenAIServing, cancel, prompt_work, request_id
+from server.scheduling.model_state import ModelState
 from server.api.sse import DONE, event_json, sse_response
-from server.api.structured_outputs import output_grammar
-from server.api.tool_calls import ToolPlan, plan_tools, template_messages, tool_format
+from server.api.openai.structured_outputs import output_grammar
+from server.api.openai.tool_calls import ToolPlan, plan_tools, template_messages, tool_format
 from server.api.tool_parser import ToolCallDelta, ToolCallParser
 
 

@@ -14,9 +14,9 @@ from server.errors import APIError, invalid
 from server.scheduling.generation import ChoiceDelta, Generation, GenerationDone, PromptLogprobs, TokenLogprob
 from server.grammar.compiler import StructuredOutputError
 from server.api.openai.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
-from server.api.serving import OpenAIServing, cancel, check_token_ids, prompt_work, reported_logprob, request_id
+from server.api.openai.serving import OpenAIServing, cancel, check_token_ids, prompt_work, reported_logprob, request_id
 from server.api.sse import DONE, event_json, sse_response
-from server.api.structured_outputs import output_grammar
+from server.api.openai.structured_outputs import output_grammar
 
 
 @dataclass

@@ -24,8 +24,9 @@ from server.scheduling.generation import GenerationFailed
 from server.api.metrics import ServerMetrics
 from server.api.openai.protocol import (MAX_EMBEDDING_INPUTS, EmbeddingData, EmbeddingRequest, EmbeddingResponse,
     EmbeddingUsage)
-from server.api.request_context import current_request
-from server.api.serving import DISCONNECT_POLL_S, ModelState, check_model, check_token_ids, prompt_work, request_id
+from server.logs import current_request
+from server.api.openai.serving import DISCONNECT_POLL_S, check_model, check_token_ids, prompt_work, request_id
+from server.scheduling.model_state import ModelState
 
 log = logging.getLogger("emberserve.serving")
 

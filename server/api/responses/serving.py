@@ -29,9 +29,10 @@ from server.api.responses.protocol import (FunctionCallItem, IncompleteDetails, 
 from server.process.response_store import StoredResponses
 from server.api.responses.input import (FIELD_NAMES, Message, chat_fields, echoed_tools, input_messages, new_id,
     stored_input_items)
-from server.api.serving import ModelState, cancel
+from server.api.openai.serving import cancel
+from server.scheduling.model_state import ModelState
 from server.api.sse import sse_response
-from server.api.tool_calls import ToolPlan
+from server.api.openai.tool_calls import ToolPlan
 
 
 @dataclass(frozen=True)

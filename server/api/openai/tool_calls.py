@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from server.grammar.compiler import JSON_FORMAT, GrammarSpec, StructuredOutputError
 from server.api.openai.protocol import ChatMessage, NamedToolChoice, ToolDefinition
-from server.api.structured_outputs import check_json_schema
+from server.api.openai.structured_outputs import check_json_schema
 from server.api.tool_parser import ToolCallParser, ToolFormatName, new_call_id
 
 __all__ = ["GENERIC_TOOL_PROMPT", "ToolPlan", "plan_tools", "template_messages", "tool_format"]

@@ -5,28 +5,22 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from engine import Runner
 
 from server.errors import APIError, invalid
 from server.scheduling.generation import Event, Generation, GenerationDone, GenerationFailed
 from server.grammar.compiler import CompiledGrammar, GrammarCompiler, GrammarSpec, StructuredOutputError
 from server.api.metrics import ServerMetrics
-from server.config.presets import PRESETS, Preset, layered_defaults
+from server.config.presets import PRESETS, layered_defaults
 from server.api.openai.protocol import OpenAIRequest, TopLogprob, Usage
-from server.api.request_context import current_request
+from server.logs import current_request
 from server.sampling.sampler import SamplingParams
+from server.scheduling.model_state import ModelState
 from server.api.sse import sse_error
-from server.scheduling.worker import WorkerPool
-
-if TYPE_CHECKING:
-    from server.process.client import EngineClient
-    from server.process.wire import ServedModel
 
 log = logging.getLogger("emberserve.serving")
 DISCONNECT_POLL_S = 0.2
@@ -47,25 +41,6 @@ async def prompt_work(fn: Callable[..., T], *args: Any) -> T:
     if record is not None and record.body_bytes is not None and record.body_bytes <= INLINE_PROMPT_BYTES:
         return fn(*args)
     return await run_in_threadpool(fn, *args)
-
-
-@dataclass
-class ModelState:
-    """The served model: its id, runner and worker."""
-
-    model_id: str
-    runner: Runner | ServedModel  # the first worker's runner (the engine process's: its facts)
-    pool: WorkerPool | EngineClient
-    fingerprint: str
-    created: int
-    max_prompt_tokens: int | None = None  # the operator's cap on prompt length, below the context
-    stream_timeout: float | None = None   # seconds a stream waits for a client that stopped reading, then is cut
-    stream_interval: int = 0              # tokens a choice gathers into one event (Generation.stream_interval)
-    parse_special_in_messages: bool = False  # trusted callers: special-token text in messages is control tokens
-    grammars: GrammarCompiler | None = None  # compiled output grammars (structured outputs, tool calls), cached
-    embeddings: bool = False              # serves POST /v1/embeddings (an encoder always; a decoder with --embeddings)
-    pooling: str | None = None            # the embeddings' pooling (None: the runner's own)
-    preset: Preset | None = None          # the server's preset (--preset): requests start from its values
 
 
 def check_model(state: ModelState, name: str) -> None:
