@@ -29,6 +29,7 @@ serve: install
 	$(PY) -m server serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
 test: install
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest
 
 bench: install

@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "Generator": "generator.generator", "GenerationConfig": "generator.generator",
     "GeneratedText": "generator.generator", "GenerationError": "generator.generator",
-    "StreamedToken": "generator.generator", "GeneratorBuilder": "generator.builder", "SyncGenerator": "generator.sync",
+    "StreamedToken": "generator.generator", "GeneratorBuilder": "generator.generator", "SyncGenerator": "generator.generator",
     "available_models": "config.model_catalog", "suggested_models": "config.model_catalog",
     "is_generator_model": "config.model_catalog", "PRESETS": "config.presets", "Preset": "config.presets",
 }
