@@ -29,6 +29,7 @@ Every value the request schema accepts, and any logits, give a token (the sample
 Logprobs are the model's raw distribution: `log_softmax` of the logits as given, before bias, penalties,
 temperature and truncation (vLLM's default "raw logprobs"), so they do not depend on the sampling parameters.
 There too NaN counts as -inf and +inf as the largest float32; a row without a finite logit has logprobs -inf.
+They are computed by `token_logprobs` (server/sampling/logprobs.py), as are echoed prompt logprobs.
 
 Randomness: each sampled row draws one uniform per step from its own `torch.Generator`, so a row's token never
 depends on which other rows share the batch. The generator lives on the CPU whatever the device: drawing one
@@ -41,16 +42,20 @@ import copy
 import hashlib
 import math
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from server.grammar.token_bitmask import apply_token_bitmask
+from server.sampling.logprobs import token_logprobs
 
+# The limits the API states (OpenAI's numbers); the request models import them from here.
 MAX_TOP_LOGPROBS = 20
-# Top-k/top-p look at the most likely candidates first: a full sort costs tens of milliseconds at a 262k
-# vocabulary, top-64 a fraction of one. A row moves to the next tier only if its nucleus does not fit.
+MAX_LOGIT_BIAS = 100.0  # a request's logit_bias value lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]
+# Top-k/top-p look at the most likely candidates first: a full sort of a 262k vocabulary costs far more than the
+# top 64 (bench/RESULTS.md#issue-32-sampler-candidate-tiers). A row moves to the next tier only if its nucleus
+# does not fit.
 _CANDIDATE_TIERS = (64, 256, 4096)
 # vLLM's _SAMPLING_EPS: a temperature below it samples greedily.
 GREEDY_TEMPERATURE = 1e-5
@@ -97,12 +102,10 @@ class SamplingParams:
         bias: dict[int, float] = {}
         for token, value in self.logit_bias.items():
             try:
-                token_id = int(token)
-            except (TypeError, ValueError):
-                raise ValueError(f"logit_bias keys must be token ids, got {token!r}") from None
-            if not math.isfinite(value):
-                raise ValueError(f"logit_bias values must be finite numbers, got {value} for token {token_id}")
-            bias[token_id] = float(value)
+                token_id, value = logit_bias_entry(token, value)
+            except ValueError as e:
+                raise ValueError(f"logit_bias {e}") from None
+            bias[token_id] = value
         # A private copy: the caller's dict may change after the request was accepted.
         object.__setattr__(self, "logit_bias", bias)
 
@@ -115,9 +118,31 @@ def _seed_for(seed: int, offset: int) -> int:
     return int.from_bytes(hashlib.sha256(f"emberserve:{seed}:{offset}".encode()).digest()[:8], "little")
 
 
+def out_of_vocabulary(ids: Iterable[int], vocab_size: int) -> list[int]:
+    """The ids outside [0, vocab_size), in order: the one token-id range rule (the API's 400s and the sampler's
+    checks both apply it)."""
+    return [t for t in ids if not 0 <= t < vocab_size]
+
+
+def logit_bias_entry(token: object, value: float, limit: float = math.inf) -> tuple[int, float]:
+    """One logit_bias entry as (token id, bias): the one rule for its key (a token id, or its decimal text) and its
+    value (a finite number within [-limit, limit]); ValueError otherwise."""
+    if isinstance(token, str) and token.lstrip("-").isdigit():
+        token_id = int(token)
+    elif isinstance(token, int) and not isinstance(token, bool):
+        token_id = token
+    else:
+        raise ValueError(f"keys must be token ids, got {token!r}")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"bias for token {token} must be a finite number, got {value}")
+    if not -limit <= value <= limit:
+        raise ValueError(f"bias for token {token} must be between -{limit:g} and {limit:g}, got {value}")
+    return token_id, float(value)
+
+
 def _token_ids(ids: Sequence[int], vocab_size: int, what: str) -> list[int]:
     ids = [int(t) for t in ids]
-    bad = [t for t in ids if not 0 <= t < vocab_size]
+    bad = out_of_vocabulary(ids, vocab_size)
     if bad:
         raise ValueError(f"{what} ids out of range [0, {vocab_size}): {bad[:5]}")
     return ids
@@ -468,7 +493,10 @@ def _plain_greedy(logits: torch.Tensor, samplers: Sequence[SequenceSampler]) -> 
 @torch.no_grad()
 def sampling_probs(logits: torch.Tensor, samplers: Sequence[SequenceSampler],
                    allowed: AllowedTokens | None = None) -> torch.Tensor:
-    """The distribution [B, vocab] each row's next token is drawn from (one-hot for greedy rows); for tests."""
+    """The distribution [B, vocab] each row's next token is drawn from (one-hot for greedy rows): exactly what
+    `sample_batch` draws from, after bias, penalties, the grammar's mask, temperature and truncation. Speculative
+    decoding runs on it (the draft's proposal distribution q and the target's p in rejection sampling,
+    server/speculative/), and the sampling tests check the sampler against it."""
     check_logits(logits, samplers)
     x = _adjusted_logits(logits, samplers, allowed)
     probs = torch.zeros_like(x)
@@ -491,27 +519,14 @@ def sampling_probs(logits: torch.Tensor, samplers: Sequence[SequenceSampler],
 
 def _fill_logprobs(logits: torch.Tensor, samplers: Sequence[SequenceSampler], tokens: torch.Tensor,
                    out: list[SampledToken]) -> None:
-    """Raw logprobs of the chosen tokens and the top alternatives, for the rows that asked."""
+    """Raw logprobs of the chosen tokens and the top alternatives, for the rows that asked (`token_logprobs`)."""
     rows = [i for i, s in enumerate(samplers) if s.params.logprobs]
     if not rows:
         return
     index, raw = _rows(logits, rows)
-    raw = raw.float().nan_to_num(nan=-math.inf, neginf=-math.inf)  # +inf: the largest float, as log_softmax has it
-    # Not torch's log_softmax, whose CPU float32 sum drifts with the vocabulary (2.7e-4 off for a 262,144-token row):
-    # shifted by the row's largest logit (exact for the top tokens, however large), then normalised by log1p of the
-    # other tokens' summed share, so that a dominant token's logprob near 0 keeps its digits (log of a float32 sum
-    # near 1 would not). Only the chosen and top tokens' logprobs are taken.
-    top, best = raw.max(-1, keepdim=True)
-    raw = raw - top
-    norm = raw.exp().scatter_(1, best, 0.0).sum(-1, keepdim=True).log1p()
-    chosen = (raw.gather(1, (tokens if index is None else tokens[index])[:, None]) - norm)[:, 0]
-    n = min(max(samplers[i].params.top_logprobs for i in rows), raw.shape[1])
-    top_vals, top_ids = raw.topk(n, -1)
-    top_vals -= norm
-    # Only a row without a finite logit has NaN here (-inf - -inf).
-    chosen, top_vals = chosen.nan_to_num(nan=-math.inf).tolist(), top_vals.nan_to_num(nan=-math.inf).tolist()
-    top_ids = top_ids.tolist()
+    chosen, top = token_logprobs(raw, tokens if index is None else tokens[index],
+                                 max(samplers[i].params.top_logprobs for i in rows))
     for j, i in enumerate(rows):
         want = samplers[i].params.top_logprobs
         out[i].logprob = chosen[j]
-        out[i].top_logprobs = list(zip(top_ids[j][:want], top_vals[j][:want]))
+        out[i].top_logprobs = top[j][:want]

@@ -9,7 +9,7 @@ keeping every token it generated.
 Faults stay with the requests they belong to: a row the runner refuses (RowError) fails only its generation, with
 a 400; a step that crashes fails the generations in that step (`fail_step`), and everything else keeps going.
 
-Embedding requests (server/embedding_jobs.py) run as forward passes of their own: while both kinds have work,
+Embedding requests (server/scheduling/embedding_jobs.py) run as forward passes of their own: while both kinds have work,
 an embedding step and a generation step take turns.
 """
 from __future__ import annotations
@@ -32,6 +32,7 @@ from server.scheduling.embedding_jobs import EmbeddingJob, EmbeddingSteps
 from server.scheduling.generation import (ChoiceDelta, EventBatch, Generation, GenerationDone, GenerationFailed,
     PromptLogprobs, TokenLogprob)
 from server.grammar.compiler import GrammarMatcher, fill_bitmasks, fill_draft_bitmasks
+from server.sampling.logprobs import token_logprobs
 from server.sampling.sampler import SequenceSampler, sample_batch
 from server.speculative.speculator import Speculator
 from server.speculative.rejection import DraftCheck, Proposal, verify_drafts
@@ -42,7 +43,7 @@ log = logging.getLogger("emberserve.scheduler")
 # Generation.stream_interval 0: a chunk per token up to 2 * AUTO_STREAMS running sequences, then one more token a
 # chunk per AUTO_STREAMS of them, at most AUTO_MAX_INTERVAL. Each chunk costs the event loop the same whatever its
 # tokens, and the loop shares the GIL with this thread: at 128 streams one chunk a token is most of the server's
-# time (bench/RESULTS.md, issue 13).
+# time (bench/RESULTS.md#issue-13-gpu-chunk-graphs).
 AUTO_STREAMS = 16
 AUTO_MAX_INTERVAL = 16
 
@@ -186,7 +187,8 @@ class Scheduler:
         # holding a PENDING_TOKEN in their place, and only then are they taken on the host (`_collect`), beside the
         # device's work. An end found then has cost its unit one row of the launched step, dropped. Not with
         # speculation (drafts are read from the tokens) nor a tensor-parallel runner. It pays only where the host's
-        # Python is not already the bottleneck: with the HTTP side on the same GIL it does not (bench/RESULTS.md).
+        # Python is not already the bottleneck: with the HTTP side on the same GIL it does not
+        # (bench/RESULTS.md#issue-13-gpu-async-scheduling).
         self.async_scheduling = async_scheduling and speculator is None \
             and getattr(runner, "tensor_parallel", None) is None
         self._inflight: _Inflight | None = None
@@ -509,13 +511,10 @@ class Scheduler:
         targets = unit.kv.tokens[row.start + 1:row.end + 1]  # the last chunk's last row predicts no prompt token
         if not targets:
             return
-        logp = torch.log_softmax(logits[:len(targets)].float(), dim=-1)
-        ids = torch.tensor(targets, dtype=torch.long, device=logp.device)
-        chosen = logp.gather(1, ids[:, None])[:, 0].tolist()
-        top_vals, top_ids = (t.tolist() for t in logp.topk(top_n, dim=-1)) if top_n else ([], [])
+        ids = torch.tensor(targets, dtype=torch.long, device=logits.device)
+        chosen, top = token_logprobs(logits[:len(targets)], ids, top_n)
         for i, token in enumerate(targets):
-            top = list(zip(top_ids[i], top_vals[i])) if top_n else []
-            unit.prompt_logprobs.append(TokenLogprob(token, chosen[i], top))
+            unit.prompt_logprobs.append(TokenLogprob(token, chosen[i], top[i]))
 
     def _fork(self, unit: Unit) -> list[Unit]:
         """Turn a computed prompt into its `n` choices, sharing the prompt's blocks."""
@@ -634,7 +633,7 @@ class Scheduler:
         return torch.tensor(ids, dtype=torch.long, device=self.runner.device) if ids else None
 
     def _verify(self, speculated: list[tuple[Unit, StepRow, int]], logits: torch.Tensor) -> None:
-        """Accept or reject each speculating unit's drafts (server/speculative_sampling.py), roll its sequence back
+        """Accept or reject each speculating unit's drafts (server/speculative/rejection.py), roll its sequence back
         to the accepted tokens (their KV stays; the rejected ones' leaves the prefix cache), and hand on the
         accepted tokens and the target's own next one, which stop strings, end tokens and max_tokens may cut."""
         checks, index = [], []
