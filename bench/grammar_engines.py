@@ -2,8 +2,9 @@
 
     python bench/grammar_engines.py [--engines llguidance,xgrammar] [--models smollm2-135m,gemma3-270m]
 
-The figures of issue 14's engine choice (bench/RESULTS.md). Each engine drives the same schemas with random
-choices among the allowed tokens; "fill" is one constrained row's mask per step, the cost the sampler pays.
+The figures of issue 14's engine choice (bench/RESULTS.md#issue-14-grammar-engines). Each engine drives the same
+schemas with random choices among the allowed tokens; "fill" is one constrained row's mask per step, the cost the
+sampler pays.
 llguidance is the engine in use (pyproject.toml); xgrammar runs only where it is installed by hand
 (`pip install xgrammar==0.2.8`, which also needs transformers and triton).
 """

@@ -1,7 +1,8 @@
 """The HTTP process's own CPU time per streamed request and per chunk: what limits a server at a few hundred streams.
 
-On a GPU the engine makes a 128-row step in ~2 ms, so the process that parses requests and writes the streams
-must keep up with thousands of requests and tens of thousands of chunks a second (bench/RESULTS.md, issue 13).
+On a GPU the engine makes a 128-row step in a few milliseconds, so the process that parses requests and writes
+the streams must keep up with thousands of requests and tens of thousands of chunks a second
+(bench/RESULTS.md#issue-13-http-cost-stream-task, bench/RESULTS.md#issue-13-http-cost-host-side).
 This measures that process alone: a server on a tiny random-weight model (bench/synthetic_model.py's "tiny"
 shape, so the engine's time does not matter) with the engine in its own process (`--engine-process`), bursts
 of --streams concurrent streaming completions of token-id prompts, a chunk per token (`--stream-interval 1`),

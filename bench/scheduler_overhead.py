@@ -2,8 +2,8 @@
 
 A stand-in runner returns ready logits at once, so a step's time is all Python: scheduling, block bookkeeping, the
 graph inputs the runner would fill, sampling (greedy or sampled), stop checks and detokenization, events. On a GPU
-this is what the worker does around each ~1-2 ms graph replay (bench/RESULTS.md). Prints µs per sequence per step
-for several batch sizes and a cProfile of the largest.
+this is what the worker does around each graph replay (bench/RESULTS.md#issue-13-scheduler-overhead). Prints µs
+per sequence per step for several batch sizes and a cProfile of the largest.
 
     .venv/bin/python bench/scheduler_overhead.py --batches 1 32 128 --steps 200
 """

@@ -52,7 +52,8 @@ class KnownModel:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     chat_template: str | None = None  # None: the model's own, or the tokenizer's fallback
     # Approximate resident memory of the default CPU server once loaded (int4 weights with the bfloat16 prefill
-    # copy, the KV pool, the runtime), from bench/RESULTS.md's "RSS after load"; None: not measured.
+    # copy, the KV pool, the runtime), from the "RSS after load" of
+    # bench/RESULTS.md#issue-5-cpu-scripted-decode; None: not measured.
     memory_mib: int | None = None
 
     @property

@@ -62,7 +62,8 @@ CHUNK_KERNEL_HEAD_DIMS = (64, 128, 256)  # the chunk kernel's (chunk_kernel_serv
 def chunk_attention_kernel(head_dim: int) -> bool:
     """Whether the library's attention at `head_dim` runs the chunk kernel (its AVX-512 build, x86-64-v4): a row's
     queries together over keys transposed in tiles, for decode rows and chunks alike, which beats gathering the
-    keys for torch's fused attention at every chunk length (bench/RESULTS.md, issue 17)."""
+    keys for torch's fused attention at every chunk length
+    (bench/RESULTS.md#issue-17-cpu-chunk-attention, bench/RESULTS.md#issue-17-cpu-one-attention-kernel)."""
     return "-march=x86-64-v4" in _arch_flags() and head_dim in CHUNK_KERNEL_HEAD_DIMS
 
 

@@ -1,7 +1,7 @@
 """Fused kernels for the elementwise work between a decoder layer's matmuls (GPU, Triton), one call everywhere.
 
-A decode step at small batch is launch-bound: Llama-3.2-1B at batch 1 spends ~1 of its 1.5 ms per step in some 20
-small kernels per layer. These calls merge them:
+A decode step at small batch is launch-bound: Llama-3.2-1B at batch 1 spends most of a step in some 20 small
+kernels per layer (bench/RESULTS.md#issue-13-gpu-fused-kernels). These calls merge them:
 
 * `add_rms_norm`: the residual add and the next RMS norm (llama's `x = x + attn(...)` then
   `post_attention_layernorm(x)`, and the next layer's `input_layernorm` after `x + mlp(...)`); `rms_norm` alone

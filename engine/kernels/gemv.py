@@ -3,7 +3,7 @@
 A batch-1 decode step reads every weight once for a single row, so it is bound by memory bandwidth; cuBLAS's
 kernels for one row reach a fraction of it on the small projections of a 1B model (q/k/v, o, down), and each
 projection runs 16 times a step. `gemv_kernel` spreads the output features over many programs, each walking the
-whole input dimension in wide tiles (figures against torch's linear: bench/RESULTS.md, issue 13). From two rows
+whole input dimension in wide tiles (figures against torch's linear: bench/RESULTS.md#issue-13-gpu-gemv). From two rows
 on cuBLAS's matmul is as fast or faster, so only one-row calls take this path, and only where the input dimension
 is a multiple of 1,024 (the tiles measured faster).
 
@@ -44,7 +44,8 @@ def gemv_config(out_features: int, in_features: int) -> Tuple[int, int, int]:
 def serves(x: Tensor, weight: Tensor) -> bool:
     """Whether `gemv` takes x [1, in] @ weight^T: one row, a 16-bit CUDA weight with unit column stride, and an
     input dimension that 1,024-wide tiles divide. Narrower tiles were slower than cuBLAS where they were measured
-    (gemma3-1b's 1,152 and 6,912 inputs: bench/RESULTS.md), so those layers keep torch's linear."""
+    (gemma3-1b's 1,152 and 6,912 inputs: bench/RESULTS.md#issue-13-gpu-gemv), so those layers keep torch's
+    linear."""
     return (_kernels is not None and _ENABLED and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
             and weight.shape[1] % MIN_TILE == 0 and weight.dtype in _DTYPES and x.dtype == weight.dtype
             and weight.stride(-1) == 1)

@@ -72,9 +72,10 @@ def _decode_segment(seq_len, segment, window, NUM_SEGMENTS: tl.constexpr, BLOCK_
     return lo, hi, used
 
 
-# Triton specialises on the int arguments' divisibility by 16 (aligned, vectorised loads: 2.6x faster decode than
-# without). The engine passes block tables of one fixed width (engine/batch.py), so the variants it needs are
-# compiled at start-up (Runner.capture_cuda_graphs) and none while serving.
+# Triton specialises on the int arguments' divisibility by 16 (aligned, vectorised loads: a much faster decode
+# than without, bench/RESULTS.md#issue-32-paged-decode-specialisation). The engine passes block tables of one
+# fixed width (engine/batch.py), so the variants it needs are compiled at start-up (Runner.capture_cuda_graphs) and
+# none while serving.
 @triton.jit
 def paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
                         stride_qb, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, stride_tb,

@@ -27,8 +27,9 @@ from engine.cache.block_manager import KVSequence
 DENSE_MIN_ROWS = 32
 # A chunk over cached blocks takes the compiled CPU attention kernel (keys read in place) while its queries times
 # keys are at most this: one query at a time, past it a gather and torch's fused attention win (a 12-token question
-# after a 2,048-token cached prefix: bench/RESULTS.md, issue 17). Where the build has the chunk kernel (AVX-512,
-# `chunk_kernel`), every chunk over cached blocks takes it: it wins at every size. Decode rows always take the kernel.
+# after a 2,048-token cached prefix: bench/RESULTS.md#issue-17-cpu-fused-kernels). Where the build has the chunk kernel
+# (AVX-512, `chunk_kernel`), every chunk over cached blocks takes it: it wins at every size. Decode rows always
+# take the kernel.
 CPU_PAGED_MAX_CHUNK_WORK = 8192
 
 

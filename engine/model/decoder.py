@@ -3,7 +3,8 @@
 The stack of blocks runs as one TorchScript call on CPU: the same modules compiled (engine/layers.py), bit-identical
 to running them eagerly. A step is some 40 small operator calls per layer; from Python each costs dispatch overhead
 and each releases and re-takes the GIL, so in a server every step queued behind the event loop's Python again and
-again (an 8-row step: 19.5 ms alone, 21-23 ms beside a thread running Python for 0.1-0.4 ms of every 3). Scripted,
+again (an 8-row step beside a thread running Python a small part of the time took markedly longer than alone:
+bench/RESULTS.md#issue-5-cpu-scripted-decode). Scripted,
 they run in TorchScript's interpreter with the GIL released throughout. On other devices the modules run eagerly
 (captured in CUDA graphs for decode steps, engine/cuda_graphs.py).
 """
@@ -87,8 +88,8 @@ class DecoderModel(nn.Module):
         if self.cfg.embed_scale != 1.0:
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         rope = self.rope_tables(batch.positions)
-        # Unoptimized execution: the same speed here, without the profiling executor's re-optimizing runs (0.6-0.9 s
-        # each) on the first calls of a scripted stack; nothing for an eager one.
+        # Unoptimized execution: the same speed here, without the profiling executor's slow re-optimizing runs on
+        # the first calls of a scripted stack (bench/RESULTS.md#issue-5-cpu-scripted-decode); nothing for an eager one.
         with torch.jit.optimized_execution(False):
             # (paged batches call the Triton kernels, which only the eager stack can: GPU steps, or tests; on CPU
             # block tables go to the compiled CPU kernels, which the scripted stack calls)
@@ -113,7 +114,8 @@ def _script(stack: DecoderStack) -> torch.jit.ScriptModule | None:
     try:
         with warnings.catch_warnings():
             # TorchScript is deprecated in favour of torch.compile, which does not pay here: compiled per layer, its
-            # guards cost what it saves; compiled per step, it takes ~47 s and recompiles as the context grows.
+            # guards cost what it saves; compiled per step, it takes long to compile and recompiles as the context
+            # grows (bench/RESULTS.md#issue-5-cpu-scripted-decode).
             warnings.simplefilter("ignore", DeprecationWarning)
             scripted = torch.jit.script(stack)
     except Exception as e:  # noqa: BLE001 - any TorchScript failure leaves the eager stack, which is the same maths

@@ -21,10 +21,10 @@ from engine.kernels.fused import CPU_KERNELS, gated_activation, rms_norm, rope_a
 from engine.cache.kv_cache import gather_blocks, window_span
 
 # Dense matmuls see row counts rounded up to a multiple of this: with every prompt length its own shape, the
-# allocator's and oneDNN's per-shape state kept growing (RSS +5% over 3000 requests, bench/rss_soak.py); with
-# 32 shapes up to a 512-token chunk it is flat. At most 15 rows of extra work. It also makes a row's result
-# independent of how many rows share the call (a single-row call would take a different kernel), which
-# deterministic steps rely on.
+# allocator's and oneDNN's per-shape state kept growing (bench/rss_soak.py,
+# bench/RESULTS.md#issue-5-cpu-dense-prefill); with 32 shapes up to a 512-token chunk it is flat. At most 15 rows
+# of extra work. It also makes a row's result independent of how many rows share the call (a single-row call would
+# take a different kernel), which deterministic steps rely on.
 DENSE_ROW_BUCKET = 16
 
 # CPU decode rows, and short chunks over cached blocks, attend through their block tables with the compiled kernels
@@ -155,12 +155,13 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Optional[Ten
     """One query per row: q [B, H, D], keys/values [B, kv_heads, L, D], mask [B, 1, 1, L] → [B, H, D].
 
     Plain batched matmuls with the query heads of a KV group stacked: torch's fused CPU attention is tuned for long
-    queries and is 5-20x slower than this for a single bfloat16 query.
+    queries and is many times slower than this for a single bfloat16 query (bench/RESULTS.md#issue-5-decode-profile).
     """
     b, h, d = q.shape[0], q.shape[1], q.shape[2]
     rows = b * num_kv_heads
-    # float32 throughout: more accurate, and torch's small float32 batched matmuls are 2-3x faster on CPU than its
-    # bfloat16 ones, converting included. bmm on 3-d views: matmul's broadcasting costs more than these tiny products.
+    # float32 throughout: more accurate, and torch's small float32 batched matmuls are faster on CPU than its
+    # bfloat16 ones, converting included (bench/RESULTS.md#issue-32-cpu-decode-attention-float32). bmm on 3-d
+    # views: matmul's broadcasting costs more than these tiny products.
     qg = q.float().reshape(rows, h // num_kv_heads, d)
     scores = torch.bmm(qg, keys.float().reshape(rows, -1, d).transpose(1, 2))  # [B * kvh, g, L]
     scores.mul_(scale)

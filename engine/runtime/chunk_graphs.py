@@ -1,10 +1,11 @@
 """`ChunkGraphs`: prompt chunks on a GPU as CUDA graphs, one captured per chunk-length bucket; `GraphStep`: a step
 of decode rows and a few chunks run as graph replays only.
 
-Eager steps are bound by the host on a GPU: a 128-token prefill of the 1B shape launches ~150 kernels from Python
-for ~2 ms of GPU work (bench/RESULTS.md, issue 13), and under load a new prompt arrives nearly every step, which
-turned every step of a busy server into an eager one. So a chunk of L tokens (one row: a fresh prompt, or the next
-chunk of a long one over its cached blocks) replays the graph of the smallest bucket >= L (16 ... 2048 tokens).
+Eager steps are bound by the host on a GPU: a 128-token prefill of the 1B shape launches its kernels from Python
+for longer than the GPU takes to run them (bench/RESULTS.md#issue-13-gpu-chunk-graphs), and under load a new
+prompt arrives nearly every step, which turned every step of a busy server into an eager one. So a chunk of L
+tokens (one row: a fresh prompt, or the next chunk of a long one over its cached blocks) replays the graph of the
+smallest bucket >= L (16 ... 2048 tokens).
 The graph is the model's own forward over a static buffer [ids | positions | slots | (0, L, end) | L - 1 | block
 table], filled on the host in pinned memory and sent with one copy. Attention goes through the paged prefill kernel
 (the chunk's own keys are written to the cache first), whose grid depends on the bucket only; padding tokens read

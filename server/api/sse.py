@@ -35,9 +35,9 @@ class _EventStream(StreamingResponse):
     - After PING_SECONDS with nothing sent, a comment line keeps proxies from closing an idle connection.
 
     Not sse-starlette's EventSourceResponse, which runs four tasks in an anyio task group for every stream (the
-    events, pings, uvicorn's exit signal, the disconnect): their start and cancellation were a quarter of the HTTP
-    process's CPU per streamed request (bench/http_cost.py; bench/RESULTS.md, issue 13). uvicorn's own shutdown
-    (timeout_graceful_shutdown, server/cli.py) ends streams left open when the server stops.
+    events, pings, uvicorn's exit signal, the disconnect): their start and cancellation were a good part of the
+    HTTP process's CPU per streamed request (bench/http_cost.py; bench/RESULTS.md#issue-13-http-cost-stream-task).
+    uvicorn's own shutdown (timeout_graceful_shutdown, server/cli.py) ends streams left open when the server stops.
     """
 
     media_type = "text/event-stream"
@@ -138,7 +138,8 @@ def encode_events(item: str | dict[str, str] | list[str | dict[str, str]]) -> by
     or a list of them, written together (one send for what a reader that fell behind has waiting).
 
     Encoded here rather than by sse-starlette, whose general encoder (line splitting, every field) cost more than
-    the rest of a chunk's way out (bench/RESULTS.md, issue 13); payloads with a line break still go through it.
+    the rest of a chunk's way out (bench/RESULTS.md#issue-13-http-cost-host-side); payloads with a line break still go
+    through it.
     """
     if isinstance(item, list):
         return b"".join(map(encode_events, item))

@@ -210,7 +210,7 @@ class Settings(BaseSettings):
 CPU_DEFAULTS = {"max_running": 32, "max_batched_tokens": 512, "speculative_disable_by_batch_size": None,
                 "engine_process": False, "async_scheduling": False}
 # Past MAX_CHUNKS drafting sequences a GPU step runs eagerly, and speculation at 8 streams was slower than none
-# (bench/RESULTS.md, issue 16).
+# (bench/RESULTS.md#issue-16-gpu-verification-graphs).
 GPU_DEFAULTS = {"max_running": 256, "max_batched_tokens": 8192, "speculative_disable_by_batch_size": MAX_CHUNKS,
                 "engine_process": True, "async_scheduling": True}
 # An encoder only embeds: its steps need not stay short for decoding streams, and a batch split into small steps

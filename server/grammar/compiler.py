@@ -8,9 +8,9 @@ grammar that takes longer is refused, not left to hold up the caller. Each seque
 a token bitmask (`server.grammar.token_bitmask`), the sampler masks the logits with it, and the sampled token advances the
 matcher. `is_stopped` is true once the grammar admits nothing more (the output is complete).
 
-Why llguidance (bench/grammar_engines.py, bench/RESULTS.md): no dependencies (xgrammar needs transformers and
-triton at run time), compiles in about a millisecond where xgrammar precomputes masks for up to a second (262k
-vocabulary), and computes each mask lazily in tens of microseconds; it has Lark grammars with lazy lexemes, which
+Why llguidance (bench/grammar_engines.py; bench/RESULTS.md#issue-14-grammar-engines): no dependencies (xgrammar
+needs transformers and triton at run time), compiles a new schema far sooner than xgrammar, which precomputes
+masks (longest for a large vocabulary), and computes each mask lazily; it has Lark grammars with lazy lexemes, which
 tool calls with `tool_choice: "auto"` need (free text until a call's start marker, then the call's grammar).
 
 JSON is generated with `json.dumps`' separators (", " and ": ") and no other whitespace, so that a model cannot run
@@ -264,7 +264,8 @@ class GrammarCompiler:
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-compile")
 
     def vocabulary(self) -> llguidance.LLTokenizer:
-        """llguidance's view of the vocabulary, built on first use (0.3 s for 49k tokens, 2.4 s for 262k)."""
+        """llguidance's view of the vocabulary, built on first use (slow for a large one:
+        bench/RESULTS.md#issue-14-grammar-engines)."""
         with self._vocab_lock:
             if self._vocab is None:
                 started = time.perf_counter()

@@ -6,7 +6,7 @@ byte, on the device of the logits (only the packed words travel there, 32 times 
 
 Applying a mask takes the elementwise minimum of the logits and a bound that is +inf for allowed tokens and -inf
 for forbidden ones, in float arithmetic: on CPU boolean kernels (a bool mask, masked_fill) are several times
-slower (a 262k vocabulary: 0.7 ms a row instead of 3 to 8).
+slower (bench/RESULTS.md#issue-32-bitmask-float-mask).
 """
 from __future__ import annotations
 

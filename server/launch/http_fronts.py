@@ -1,7 +1,8 @@
 """More HTTP processes in front of the one engine process (`--api-server-count`, as vLLM's API-server count).
 
 One HTTP process parses, validates and tokenizes every request and writes every stream on one core; with a few
-hundred streams on a GPU that core, not the engine, sets the pace (bench/RESULTS.md, issue 13). The main process
+hundred streams on a GPU that core, not the engine, sets the pace (bench/RESULTS.md#issue-13-gpu-engine-process).
+The main process
 (the CLI's) binds the port, starts the engine process (server/engine_process.py) with a pipe for each HTTP
 process and, once the model is loaded, starts the others here: each serves the same listening socket (the kernel
 hands each new connection to one of them) through its own pipe to the engine, with the same app as the main one.

@@ -4,10 +4,10 @@ between them, server/engine_wire.py.
 
 In one process the worker thread's Python (scheduling, detokenizing, stop checks) and the event loop's (parsing
 requests, writing a few hundred streams) take turns on one GIL, and on a GPU the device then waits for both
-(bench/RESULTS.md, issue 13). Here the engine process runs the model, its scheduler and workers exactly as the
-one-process server does; the HTTP process tokenizes, validates, compiles grammars (to answer a bad one with a
-400) and streams. One duplex pipe joins them: submissions, cancellations and a reader's backlog go one way, each
-scheduler step's events (one message for all its streams), stats and failures the other way. Once the model is
+(bench/RESULTS.md#issue-13-gpu-engine-process). Here the engine process runs the model, its scheduler and workers
+exactly as the one-process server does; the HTTP process tokenizes, validates, compiles grammars (to answer a bad
+one with a 400) and streams. One duplex pipe joins them: submissions, cancellations and a reader's backlog go one
+way, each scheduler step's events (one message for all its streams), stats and failures the other way. Once the model is
 loaded the HTTP process reads and writes its end on the event loop itself (an asyncio transport, in
 multiprocessing's framing, so that the engine side keeps a plain Connection): a reader and a writer thread there
 cost a GIL hand-off and a wake-up of the loop per step, beside the loop's own work (bench/http_cost.py).

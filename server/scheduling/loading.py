@@ -124,8 +124,9 @@ def model_state(settings: Settings, runner: Runner | ServedModel, pool: Pool,
                             f"{runner.deterministic}".encode()).hexdigest()[:10]
     grammars = GrammarCompiler(runner.tokenizer) if prepare_grammars else None
     if grammars is not None:
-        # The grammar engine's view of the vocabulary (0.3 s for 49k tokens, 2.4 s for 262k) is built beside
-        # serving, not on the first structured request; that request waits for it only if it comes first.
+        # The grammar engine's view of the vocabulary (slow to build for a large one:
+        # bench/RESULTS.md#issue-14-grammar-engines) is built beside serving, not on the first structured request;
+        # that request waits for it only if it comes first.
         threading.Thread(target=grammars.vocabulary, name="grammar-vocabulary", daemon=True).start()
     return ModelState(model_id=model_id, runner=runner, pool=pool, fingerprint=f"fp_{digest}",
                       created=int(time.time()), max_prompt_tokens=settings.max_prompt_tokens,

@@ -24,8 +24,8 @@ async def in_own_thread(fn: Callable[[], T], discard: Callable[[T], None] | None
 
     Loading runs torch's parallel ops, and each thread that does gets its own OpenMP team, kept while the thread
     lives. With more OpenMP threads alive than cores, libgomp stops spinning at its barriers and sleeps instead, so
-    every parallel region of the workers then waits on a futex wake-up: one stream decoded at 17 ms/token instead of
-    6 with the loader in an executor thread (asyncio.to_thread), which never ends.
+    every parallel region of the workers then waits on a futex wake-up: one stream decoded far slower with the loader
+    in an executor thread (asyncio.to_thread), which never ends (bench/RESULTS.md#issue-5-cpu-scripted-decode).
     Torch's code cannot be interrupted, and a process that exits while the thread is inside it aborts
     (std::terminate: "terminate called without an active exception", exit 134), so a cancellation (SIGTERM while
     loading) waits for the thread.
@@ -68,9 +68,9 @@ def cap_malloc_arenas(arenas: int = 2) -> bool:
     """Cap glibc's malloc arenas (one per thread by default) before any worker or OpenMP thread starts.
 
     Memory freed in one thread's arena serves only that arena, so with the worker, OpenMP's and the event loop's
-    threads all allocating, RSS crept up under load (the soak's check, 3-6% between its first mark and its end);
-    two arenas keep it flat at no measured cost to prefill or decode (bench/RESULTS.md). False where the C
-    library is not glibc (nothing to do there)."""
+    threads all allocating, RSS crept up under load (past the soak's check between its first mark and its end);
+    two arenas keep it flat at no measured cost to prefill or decode (bench/RESULTS.md#issue-17-malloc-arenas).
+    False where the C library is not glibc (nothing to do there)."""
     try:
         return bool(ctypes.CDLL("libc.so.6").mallopt(_M_ARENA_MAX, arenas))
     except (OSError, AttributeError):

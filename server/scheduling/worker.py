@@ -42,7 +42,8 @@ def freeze_heap() -> None:
 
     What is alive when serving starts (torch, the model, the tokenizer: a few hundred thousand objects) lives as
     long as the server. Left to the collector, each full collection walks all of it with the GIL held, a stall of
-    every stream (bench/RESULTS.md, issue 13); frozen, the collector looks only at what came since."""
+    every stream (bench/RESULTS.md#issue-13-gpu-deferred-text-frozen-heap); frozen, the collector looks only at what
+    came since."""
     gc.collect()
     gc.freeze()
 

@@ -5,7 +5,7 @@ every response has a status, media type and body the document declares for that 
 The server is a dedicated process (int4 SmolLM2 serving embeddings too, a 256-token context, short prompts, a
 short queue) with an API key, which schemathesis sends from the document's security scheme, or breaks (401s).
 Valid generation requests are cut to n <= 2 and at most 8 new tokens, so that each costs milliseconds and the
-module stays within about 90 s on two cores; the cuts keep them valid.
+module stays short on two cores (bench/RESULTS.md#issue-32-openapi-fuzz-time); the cuts keep them valid.
 """
 from __future__ import annotations
 
@@ -29,10 +29,9 @@ from server_process import ServerProcess, start_server, stop_server
 # Examples per route and generation mode: valid requests for every route, and invalid ones (a broken body, a
 # missing or wrong key) for those that take a key; the probes have one distinct request, so they run once. That is
 # 3 + 3 + 3 + (3 + 3) + (20 + 20) + (150 + 150) * 2 + (60 + 60) + (40 + 40) + (60 + 60) = 1018 requests for the
-# chat, completions, embeddings routes and the others, 50-60 s with the server's start on this 2-core machine shared
-# with other work (load average 4), and (60 + 60) * 2 + (10 + 10) * 2 + (15 + 15) + (30 + 30) = 370 for the
-# Responses and Anthropic routes, 15-20 s more. The summary printed at the end says how many each route ran and
-# which statuses they got.
+# chat, completions, embeddings routes and the others, and (60 + 60) * 2 + (10 + 10) * 2 + (15 + 15) + (30 + 30)
+# = 370 for the Responses and Anthropic routes (their time: bench/RESULTS.md#issue-32-openapi-fuzz-time). The
+# summary printed at the end says how many each route ran and which statuses they got.
 EXAMPLES = {
     "GET /livez": 3,
     "GET /health": 3,

@@ -1,6 +1,6 @@
 """The soak (bench/soak.py) in short: 80 mixed requests at concurrency 32 against a real server, a fifth of the
 clients leaving at random moments; then no 5xx, every KV block outside the prefix cache free, nothing running, and
-RSS flat from the first mark to the end. The long run's figures are in bench/RESULTS.md."""
+RSS flat from the first mark to the end. The long run's figures are in bench/RESULTS.md#issue-12-soak."""
 from __future__ import annotations
 
 import asyncio

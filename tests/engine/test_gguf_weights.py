@@ -42,7 +42,8 @@ def test_metadata_and_tensors_match_gguf_reader(smollm_path: Path) -> None:
 
 
 def test_gemma_metadata_reads_fast() -> None:
-    """GGUFReader needs ~9.5 s for gemma's 262k-entry vocabulary; the struct parser must not."""
+    """GGUFReader takes seconds over gemma's 262k-entry vocabulary; the struct parser must not
+    (bench/RESULTS.md#issue-32-gguf-metadata-time)."""
     path = KNOWN_MODELS["gemma3-270m"].path()
     t0 = time.perf_counter()
     meta = GGUFFile(path).metadata

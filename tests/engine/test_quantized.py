@@ -36,10 +36,11 @@ from tiny_models import VARIANTS, prompt_ids, write_gguf
 DATA = Path(__file__).resolve().parents[1] / "data"
 INT4_LINEARS = (Int4Linear, Int4DotLinear)  # torch's kernel's layout, and the dot-product kernel's (bfloat16 + VNNI)
 
-# Quality bounds (measured values in bench/RESULTS.md, `python bench/quality.py`): the fraction of positions
-# whose argmax equals float32's, and the perplexity relative to float32's on the same texts, through the packed
-# kernels (what decode runs). Activations rounded to int8 (engine/quant_dot.py, as llama.cpp) cost 0.5-1.5 points
-# of agreement against torch's kernels.
+# Quality bounds (measured values: bench/RESULTS.md#issue-17-quality,
+# bench/RESULTS.md#issue-5-engine-weight-formats; `python bench/quality.py`): the fraction of positions whose
+# argmax equals float32's, and the perplexity relative to float32's on the same texts, through the packed kernels
+# (what decode runs). Activations rounded to int8 (engine/quant_dot.py, as llama.cpp) cost a little agreement
+# against torch's kernels.
 QUALITY_BOUNDS = {  # (model, quant): (min top-1 agreement, max perplexity ratio)
     ("smollm2-135m", "int4"): (0.94, 1.03),
     ("smollm2-135m", "int8"): (0.92, 1.03),

@@ -105,7 +105,7 @@ def without_vocabulary(path: Path, dest: Path) -> Path:
     """A copy of the GGUF file at `path` without its tokenizer's token, score and type arrays, and with the
     vocabulary size they implied as `<arch>.vocab_size`: the metadata entries, tensor directory and tensor bytes
     otherwise copied byte for byte. transformers parses 262,144-entry arrays field by field, twice per load (most of
-    this test's time before; bench/RESULTS.md), and the model needs none of them."""
+    this test's time before; bench/RESULTS.md#issue-13-suite-time), and the model needs none of them."""
     data = path.read_bytes()
     cur = GGUFCursor(memoryview(data), path)
     cur.pos = 4

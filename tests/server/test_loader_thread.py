@@ -1,8 +1,9 @@
 """The model loads on a thread of its own that ends with the load (server/app.py `in_own_thread`).
 
 Why it matters: a thread that ran torch's parallel ops keeps its OpenMP team while it lives, and with more OpenMP
-threads alive than cores libgomp sleeps at every barrier instead of spinning (bench/RESULTS.md: one stream 17 vs
-6 ms/token in process). The speed is measured in bench/; here, that the loader thread is gone afterwards.
+threads alive than cores libgomp sleeps at every barrier instead of spinning, which slows one stream's decoding
+(bench/RESULTS.md#issue-5-cpu-scripted-decode). The speed is measured in bench/; here, that the loader thread
+is gone afterwards.
 """
 from __future__ import annotations
 

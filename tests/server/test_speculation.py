@@ -79,7 +79,8 @@ def ngram(k: int = 4, **kw) -> Speculator:
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """Tiny models gain nothing from a second thread, and on a shared machine their OpenMP barriers can cost 50x."""
+    """Tiny models gain nothing from a second thread, and on a shared machine their OpenMP barriers can cost many
+    times their work (bench/RESULTS.md#issue-32-tiny-model-threads)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -84,7 +84,8 @@ class PackedLinear(nn.Module):
     """A linear layer with packed weights; optionally a dense copy of the same (quantized) weights for big calls.
 
     The packed kernels read few bytes per weight, which is what a decode step of a few rows is bound by; for a
-    prefill chunk a dense bfloat16 matmul is 2-2.5x faster (bench/matmul_formats.py), so a layer given `keep_dense`
+    prefill chunk a dense bfloat16 matmul is faster (bench/matmul_formats.py,
+    bench/RESULTS.md#issue-5-cpu-dense-prefill), so a layer given `keep_dense`
     uses its dequantized copy there: the same weights, two bytes more per weight. A call runs its first
     `packed_rows` rows (the batch's decode tokens and short chunks, see batch.ForwardBatch) through the packed
     kernel and the rest through the dense copy, so a token gets the same numbers whatever shares its batch.

@@ -29,8 +29,9 @@ DISCONNECT_POLL_S = 0.2
 STREAM_BACKLOG_PER_CHOICE = 256
 # A request's prompt work (its chat template, tokenizing) runs on the event loop when its body is at most this big:
 # for a small prompt the hop to a worker thread and back costs more than the work, and its GIL hand-offs slow
-# every stream the loop serves (bench/RESULTS.md, issue 13: bench/http_cost.py). A bigger body goes to the thread
-# pool, so that the loop serves the other requests meanwhile (the tokenizer runs there without the GIL).
+# every stream the loop serves (bench/http_cost.py; bench/RESULTS.md#issue-13-http-cost-host-side). A bigger body
+# goes to the thread pool, so that the loop serves the other requests meanwhile (the tokenizer runs there without
+# the GIL).
 INLINE_PROMPT_BYTES = 16384
 T = TypeVar("T")
 
