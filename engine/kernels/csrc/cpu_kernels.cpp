@@ -1,6 +1,7 @@
 // Fused CPU kernels for the elementwise work and the decode attention between a decoder layer's matmuls.
 //
-// A CPU decode step of a small model is bound by operator calls, not by memory (bench/RESULTS.md, issue 17): each
+// A CPU decode step of a small model is bound by operator calls, not by memory
+// (bench/RESULTS.md#issue-17-cpu-fused-kernels): each
 // torch op between the matmuls costs microseconds of dispatch, allocation and OpenMP fork/join around nanoseconds
 // of work. These ops do the same maths as engine/fused_kernels_torch.py in one call each, registered with the
 // dispatcher as torch.ops.emberserve.* so that the scripted decoder stack (engine/models/base.py) calls them too:

@@ -1,8 +1,9 @@
 // Quantized matmuls by integer dot products: int4 or int8 weights times activations quantized to int8 per block
 // of 32 inputs (what llama.cpp's CPU backend does with its Q8 activation blocks).
 //
-// A CPU decode step reads every weight once per step; torch's own packed kernels spend two to three times the
-// time that takes (bench/RESULTS.md, issue 17), and the int4 one costs nearly twice as much at 4 rows as at one.
+// A CPU decode step reads every weight once per step; torch's own packed kernels spend far longer than that takes
+// (bench/RESULTS.md#issue-17-cpu-fused-kernels), and the int4 one costs much more at 4 rows than at one
+// (bench/RESULTS.md#issue-17-cpu-int8-dot).
 // Here AVX-512 VNNI's vpdpbusd multiplies 64 unsigned weight bytes by 64 signed activation bytes and adds them
 // into 16 int32 lanes in one instruction, so a row of activations costs little more than the weights' loads.
 //
