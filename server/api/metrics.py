@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, values
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -18,6 +17,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 
 from server.scheduling.generation import ChoiceDelta, Event, Generation, GenerationFailed
 from server.logs import RequestRecord
+from server.scheduling.model_state import PoolStats
 
 PREFIX = "emberserve:"
 MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's: where every process writes its metrics
@@ -40,25 +40,23 @@ def share_metrics_across_processes(directory: str) -> None:
     values.ValueClass = values.get_value_class()  # chosen by prometheus_client when first imported
 
 
-PoolStats = Callable[[], dict[str, Any] | None]
+StatsSource = Callable[[], PoolStats | None]  # the served pool's `stats`; None while the model loads
 
 
 class _PoolCollector:
     """The worker pool's figures as gauges and counters at scrape time; zeros while the model loads."""
 
-    def __init__(self, stats: PoolStats) -> None:
+    def __init__(self, stats: StatsSource) -> None:
         self.stats = stats
 
     def collect(self) -> Iterator[Metric]:
-        s = self.stats() or {}
-        total, queried = s.get("kv_blocks_total", 0), s.get("prefix_cache_queried_tokens", 0)
-        hits = s.get("prefix_cache_hit_tokens", 0)
+        s = self.stats() or PoolStats()
+        total, queried, hits = s.kv_blocks_total, s.prefix_cache_queried_tokens, s.prefix_cache_hit_tokens
         yield GaugeMetricFamily(f"{PREFIX}num_requests_running", "Requests whose sequences are in the running batch.",
-                                s.get("running", 0))
-        yield GaugeMetricFamily(f"{PREFIX}num_requests_waiting", "Requests submitted and waiting to run.",
-                                s.get("queued", 0))
+                                s.running)
+        yield GaugeMetricFamily(f"{PREFIX}num_requests_waiting", "Requests submitted and waiting to run.", s.queued)
         yield GaugeMetricFamily(f"{PREFIX}kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).",
-                                s.get("kv_blocks_used", 0) / total if total else 0.0)
+                                s.kv_blocks_used / total if total else 0.0)
         yield GaugeMetricFamily(f"{PREFIX}prefix_cache_hit_rate",
                                 "Prompt tokens found in the prefix cache / prompt tokens looked up, since start.",
                                 hits / queried if queried else 0.0)
@@ -66,25 +64,25 @@ class _PoolCollector:
                                   queried)
         yield CounterMetricFamily(f"{PREFIX}prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits)
         yield CounterMetricFamily(f"{PREFIX}num_preemptions", "Sequences preempted for lack of KV blocks.",
-                                  s.get("preemptions", 0))
-        if s.get("speculative") is not None:
+                                  s.preemptions)
+        if s.speculative is not None:
             yield from _speculation_metrics(s)
 
 
-def _speculation_metrics(s: dict[str, Any]) -> Iterator[Metric]:
+def _speculation_metrics(s: PoolStats) -> Iterator[Metric]:
     """vLLM's spec_decode counters, and the acceptance rate and mean acceptance length they imply."""
     yield CounterMetricFamily(f"{PREFIX}spec_decode_num_drafts", "Sequence steps that verified drafted tokens.",
-                              s.get("spec_decode_num_drafts", 0))
+                              s.spec_decode_num_drafts)
     yield CounterMetricFamily(f"{PREFIX}spec_decode_num_draft_tokens", "Tokens drafted for verification.",
-                              s.get("spec_decode_num_draft_tokens", 0))
+                              s.spec_decode_num_draft_tokens)
     yield CounterMetricFamily(f"{PREFIX}spec_decode_num_accepted_tokens", "Drafted tokens the model accepted.",
-                              s.get("spec_decode_num_accepted_tokens", 0))
+                              s.spec_decode_num_accepted_tokens)
     per_pos = CounterMetricFamily(f"{PREFIX}spec_decode_num_accepted_tokens_per_pos",
                                   "Accepted drafted tokens, by their position in the draft.", labels=["position"])
-    for position, count in enumerate(s.get("spec_decode_num_accepted_tokens_per_pos") or []):
+    for position, count in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
         per_pos.add_metric([str(position)], count)
     yield per_pos
-    rate, length = s.get("spec_decode_acceptance_rate"), s.get("spec_decode_mean_acceptance_length")
+    rate, length = s.spec_decode_acceptance_rate, s.spec_decode_mean_acceptance_length
     yield GaugeMetricFamily(f"{PREFIX}spec_decode_draft_acceptance_rate",
                             "Accepted / drafted tokens since start (0 before any draft).", rate or 0.0)
     yield GaugeMetricFamily(f"{PREFIX}spec_decode_mean_acceptance_length",
@@ -95,7 +93,7 @@ def _speculation_metrics(s: dict[str, Any]) -> Iterator[Metric]:
 class ServerMetrics:
     """One app's metrics in its own registry, so that several apps in one process do not clash."""
 
-    def __init__(self, stats: PoolStats) -> None:
+    def __init__(self, stats: StatsSource) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens prefilled.", registry=r)

@@ -1,6 +1,7 @@
 """Thin endpoint functions: parse, hand to the serving objects, return."""
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request
@@ -73,7 +74,7 @@ async def health(request: Request) -> Health | JSONResponse:
     await state.pool.refresh_stats()
     return Health(status="ok", model=state.model_id, device=str(runner.device),
                   dtype=str(runner.dtype).removeprefix("torch."), quant=runner.quant,
-                  deterministic=runner.deterministic, **state.pool.stats())
+                  deterministic=runner.deterministic, **asdict(state.pool.stats()))
 
 
 @router.get("/metrics", response_class=Response,
@@ -98,7 +99,7 @@ async def get_model(model_id: str, request: Request) -> ModelCard:
     return _card(_state_for(request, model_id))
 
 
-# 200 is a JSON body, or with `stream: true` an event stream (its event schema is added by server/openapi.py).
+# 200 is a JSON body, or with `stream: true` an event stream (its event schema is added by server/api/openapi.py).
 _GENERATION_ERRORS = errors(400, 404, 413, 429, 503)
 _UTILITY_ERRORS = errors(400, 404, 413, 503)
 

@@ -1,6 +1,6 @@
 """The engine in a process of its own beside the HTTP server: `EngineClient`, the HTTP process's handle on it (what
-the serving layer uses of a `WorkerPool`). The engine process's side is server/engine_core.py; what crosses
-between them, server/engine_wire.py.
+the serving layer uses of a `WorkerPool`). The engine process's side is server/process/engine.py; what crosses
+between them, server/process/wire.py.
 
 In one process the worker thread's Python (scheduling, detokenizing, stop checks) and the event loop's (parsing
 requests, writing a few hundred streams) take turns on one GIL, and on a GPU the device then waits for both
@@ -32,8 +32,8 @@ from typing import Any
 from server.scheduling.embedding_jobs import EmbeddingJob
 from server.errors import APIError
 from server.process.engine import serve_engine
-from server.process.wire import GENERATION_FIELDS, JOB_FIELDS, decode_event, is_final
-from server.scheduling.model_state import ServedModel
+from server.process.wire import GENERATION_FIELDS, JOB_FIELDS, ToClient, ToEngine, decode_event, is_final
+from server.scheduling.model_state import PoolStats, ServedModel
 from server.scheduling.generation import Generation, GenerationFailed, Submission, hand_over
 from server.config.settings import Settings
 from server.scheduling.worker import queue_full_error, worker_failed_error
@@ -59,7 +59,7 @@ class EngineClient:
     def __init__(self, settings: Settings, on_failure: Callable[[str], None] | None = None, fronts: int = 0,
                  conn: Connection | None = None) -> None:
         """Start the engine process, with a pipe for this process and one for each of `fronts` more HTTP processes
-        (`front_conns`, handed to them: server/http_fronts.py); or, given `conn`, use an engine that another
+        (`front_conns`, handed to them: server/launch/http_fronts.py); or, given `conn`, use an engine that another
         process started (in one of those HTTP processes)."""
         self.max_queued = settings.max_queued
         self.on_failure = on_failure
@@ -88,20 +88,21 @@ class EngineClient:
         self._waiting: set[int] = set()              # submitted, no event yet: queued in the engine
         self._paused: dict[int, Submission] = {}     # told to wait for their reader
         self._backlog_check: asyncio.TimerHandle | None = None
-        self._stats: dict[str, Any] = {}
+        self._stats = PoolStats()  # zeros until the engine's first answer
         self._calls: dict[int, asyncio.Future[Any]] = {}  # asked of the engine, not answered yet: by call id
         self._stopping = False
 
     def wait_ready(self) -> ServedModel:
         """Block until the engine process has loaded the model (ValueError with its reason when it cannot)."""
         try:
-            kind, payload = self._conn.recv()
+            kind, payload = self._conn.recv()  # ToClient.READY or LOAD_FAILED: the only messages before `attach`
         except (EOFError, OSError):
             self._process.join(STOP_TIMEOUT_S)
             raise ValueError(f"the engine process exited while loading (exit code {self._process.exitcode})") from None
-        if kind == "load_failed":
+        if kind == ToClient.LOAD_FAILED:
             self._process.join(STOP_TIMEOUT_S)
             raise ValueError(payload)
+        assert kind == ToClient.READY, kind
         return payload
 
     async def attach(self) -> None:
@@ -137,7 +138,7 @@ class EngineClient:
         transport = self._transport
         if transport is None or transport.get_write_buffer_size() == 0:
             with suppress(OSError):
-                self._conn.send([("stop",)])
+                self._conn.send([(ToEngine.STOP.value,)])
         self._process.join(STOP_TIMEOUT_S)
         if self._process.is_alive():
             log.warning("the engine process did not stop in %.0f s: killed", STOP_TIMEOUT_S)
@@ -146,7 +147,7 @@ class EngineClient:
         if transport is not None:
             transport.abort()
         self._conn.close()
-        gc.unfreeze()  # frozen once serving started (server/app.py), as WorkerPool.stop undoes its own
+        gc.unfreeze()  # frozen once serving started (server/api/app.py), as WorkerPool.stop undoes its own
 
     # ---- the pool's interface ----
     def submit(self, sub: Generation | EmbeddingJob) -> None:
@@ -158,15 +159,15 @@ class EngineClient:
         if isinstance(sub, Generation):
             spec = {name: getattr(sub, name) for name in GENERATION_FIELDS}
             spec["grammar"] = None if sub.grammar is None else sub.grammar.spec
-            message: tuple[Any, ...] = ("generate", gid, spec)
+            kind, payload = ToEngine.GENERATE, spec
         else:
-            message = ("embed", gid, {name: getattr(sub, name) for name in JOB_FIELDS})
+            kind, payload = ToEngine.EMBED, {name: getattr(sub, name) for name in JOB_FIELDS}
         self._live[gid], self._id_of[sub] = sub, gid
         self._waiting.add(gid)
         sub.on_cancel = self._cancel
-        self._send(message)
+        self._send(kind, gid, payload)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> PoolStats:
         """The engine's `WorkerPool.stats()` as of the last `refresh_stats`."""
         return self._stats
 
@@ -175,37 +176,37 @@ class EngineClient:
         if self._transport is None or self.failure is not None:
             return
         with suppress(TimeoutError, APIError):
-            self._stats = await self._call("stats")
+            self._stats = await self._call(ToEngine.STATS)
 
     async def store_call(self, op: str, key: str, value: Any = None) -> Any:
         """`op` ("get", "put", "delete") on the engine process's response store, which every HTTP process shares."""
         if self.failure is not None:
             raise worker_failed_error()
         try:
-            return await self._call("store", op, key, value)
+            return await self._call(ToEngine.STORE, op, key, value)
         except TimeoutError:
             raise APIError(503, "the engine process did not answer in time; retry", code="engine_busy") from None
 
-    async def _call(self, kind: str, *args: Any) -> Any:
+    async def _call(self, kind: ToEngine, *args: Any) -> Any:
         """Ask the engine (`kind` with `args`) and wait for its answer: TimeoutError past CALL_TIMEOUT_S, the
         failure's APIError when the engine goes away meanwhile."""
         call = next(self._ids)
         reply = self._calls[call] = self._loop.create_future()
-        self._send((kind, call, *args))
+        self._send(kind, call, *args)
         try:
             return await asyncio.wait_for(reply, CALL_TIMEOUT_S)
         finally:
             self._calls.pop(call, None)
 
     # ---- the HTTP process's side of the wire, all on the event loop ----
-    def _send(self, message: tuple[Any, ...]) -> None:
-        """Queue a message for the engine: those of one event-loop turn go in one write, so that a burst of
-        requests costs the engine process one wake-up (and one turn of its GIL), not one each. Messages keep
-        their order."""
+    def _send(self, kind: ToEngine, *payload: Any) -> None:
+        """Queue a message for the engine (its kind as the plain string: server/process/wire.py): those of one
+        event-loop turn go in one write, so that a burst of requests costs the engine process one wake-up (and one
+        turn of its GIL), not one each. Messages keep their order."""
         if threading.get_ident() != self._loop_thread:
-            self._loop.call_soon_threadsafe(self._send, message)
+            self._loop.call_soon_threadsafe(self._send, kind, *payload)
             return
-        self._outbox.append(message)
+        self._outbox.append((kind.value, *payload))
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
@@ -238,19 +239,20 @@ class EngineClient:
         if gid is None:
             return  # it had ended
         self._forget(gid)
-        self._send(("cancel", gid))
+        self._send(ToEngine.CANCEL, gid)
 
     def _received(self, message: tuple[Any, ...]) -> None:
-        """A message from the engine: a step's events, the answer to a call, the engine's failure."""
+        """A message from the engine once attached: a step's events, the answer to a call, the engine's failure."""
         kind, *payload = message
-        if kind == "events":
-            self._dispatch(payload[0])
-        elif kind == "reply":
-            reply = self._calls.get(payload[0])
-            if reply is not None and not reply.done():
-                reply.set_result(payload[1])
-        elif kind == "failed":
-            self._fail(payload[0], end_requests=False)  # the engine fails what it held itself
+        self.HANDLERS[kind](self, *payload)
+
+    def _on_reply(self, call: int, value: Any) -> None:
+        reply = self._calls.get(call)
+        if reply is not None and not reply.done():
+            reply.set_result(value)
+
+    def _on_failed(self, reason: str) -> None:
+        self._fail(reason, end_requests=False)  # the engine fails what it held itself
 
     def _dispatch(self, wire: list[tuple[int, Any]]) -> None:
         elsewhere: dict[asyncio.AbstractEventLoop, list[tuple[Submission, Any]]] = {}
@@ -277,16 +279,22 @@ class EngineClient:
             limit = getattr(sub, "max_backlog", None)
             if limit is not None and gid not in self._paused and sub.channel.qsize() >= limit:
                 self._paused[gid] = sub
-                self._send(("backlog", gid, True))
+                self._send(ToEngine.BACKLOG, gid, True)
                 if self._backlog_check is None:
                     self._backlog_check = self._loop.call_later(BACKLOG_POLL_S, self._resume_readers)
+
+    # What answers each ToClient kind (tests/server/test_engine_wire.py checks that every kind has one): `_received`'s
+    # table once attached, and `wait_ready` before.
+    HANDLERS: dict[str, Callable[..., None]] = {
+        ToClient.EVENTS: _dispatch, ToClient.REPLY: _on_reply, ToClient.FAILED: _on_failed}
+    LOAD_MESSAGES = frozenset({ToClient.READY, ToClient.LOAD_FAILED})
 
     def _resume_readers(self) -> None:
         self._backlog_check = None
         for gid, sub in list(self._paused.items()):
             if sub.channel.qsize() < sub.max_backlog:
                 del self._paused[gid]
-                self._send(("backlog", gid, False))
+                self._send(ToEngine.BACKLOG, gid, False)
         if self._paused:
             self._backlog_check = self._loop.call_later(BACKLOG_POLL_S, self._resume_readers)
 

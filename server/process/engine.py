@@ -1,6 +1,6 @@
 """The engine process's main (`serve_engine`): load the model as the one-process server does, serve its worker pool,
-and answer the HTTP processes' pipes (server/engine_process.py has the other end): the main HTTP process's, whose
-stop or departure stops the engine, and one per further HTTP process (`--api-server-count`, server/http_fronts.py),
+and answer the HTTP processes' pipes (server/process/client.py has the other end): the main HTTP process's, whose
+stop or departure stops the engine, and one per further HTTP process (`--api-server-count`, server/launch/http_fronts.py),
 whose departure cancels only what it had submitted."""
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
+from collections.abc import Callable
 from typing import Any
 
 from server.scheduling.embedding_jobs import EmbeddingJob
-from server.process.wire import encode_event, is_final
+from server.process.wire import ToClient, ToEngine, encode_event, is_final
 from server.scheduling.model_state import ServedModel
 from server.errors import APIError
 from server.scheduling.generation import Generation, GenerationFailed, Submission
@@ -46,12 +47,13 @@ class EngineSide:
         self._compiling: set[int] = set()  # ids whose grammar compiles: cancelled by leaving this set
         self._lock = threading.Lock()      # a submission's registration against its cancellation
 
-    def send(self, message: tuple[Any, ...]) -> None:
+    def send(self, kind: ToClient, *payload: Any) -> None:
+        """Send the HTTP process a message (its kind as the plain string: server/process/wire.py)."""
         if self._gone:
             return
         try:
             with self._send_lock:
-                self._conn.send(message)
+                self._conn.send((kind.value, *payload))
         except OSError:
             self._gone = True
 
@@ -66,7 +68,7 @@ class EngineSide:
             if is_final(event):
                 self._drop(gid)
         if wire:
-            self.send(("events", wire))
+            self.send(ToClient.EVENTS, wire)
 
     def backlogged(self, gen: Generation) -> bool:
         return gen in self._paused
@@ -86,9 +88,9 @@ class EngineSide:
             except (EOFError, OSError):
                 return False
             for kind, *payload in messages:
-                if kind == "stop":
+                if kind == ToEngine.STOP:
                     return True
-                self._handle(state, kind, payload)
+                self.HANDLERS[kind](self, state, *payload)
 
     def stop_compiling(self) -> None:
         self._compiles.shutdown(wait=False, cancel_futures=True)
@@ -105,33 +107,41 @@ class EngineSide:
         for sub in subs:
             sub.cancel()
 
-    def _handle(self, state: Any, kind: str, payload: list[Any]) -> None:
-        if kind == "generate":
-            gid, spec = payload
-            if spec["grammar"] is None:
-                self._submit(state.pool, gid, self._generation(spec, state.grammars))
-            else:
-                self._compiling.add(gid)
-                self._compiles.submit(self._compile_and_submit, state, gid, spec)
-        elif kind == "embed":
-            self._submit(state.pool, payload[0], EmbeddingJob(**payload[1], loop=None, channel=None, sink=self))
-        elif kind == "cancel":
-            with self._lock:
-                self._compiling.discard(payload[0])
-                sub = self._drop(payload[0])
-            if sub is not None:
-                sub.cancel()
-        elif kind == "backlog":
-            sub = self._subs.get(payload[0])
-            if sub is not None:
-                (self._paused.add if payload[1] else self._paused.discard)(sub)
-        elif kind == "stats":  # (call id)
-            self.send(("reply", payload[0], state.pool.stats()))
-        elif kind == "store":  # (call id, "get" | "put" | "delete", key, value)
-            call, op, key, value = payload
-            with _STORE_LOCK:
-                result = self._store.put(key, value) if op == "put" else getattr(self._store, op)(key)
-            self.send(("reply", call, result))
+    # ---- the HTTP process's messages (server/process/wire.py's ToEngine; STOP is `serve`'s) ----
+    def _on_generate(self, state: Any, gid: int, spec: dict[str, Any]) -> None:
+        if spec["grammar"] is None:
+            self._submit(state.pool, gid, self._generation(spec, state.grammars))
+        else:
+            self._compiling.add(gid)
+            self._compiles.submit(self._compile_and_submit, state, gid, spec)
+
+    def _on_embed(self, state: Any, gid: int, spec: dict[str, Any]) -> None:
+        self._submit(state.pool, gid, EmbeddingJob(**spec, loop=None, channel=None, sink=self))
+
+    def _on_cancel(self, state: Any, gid: int) -> None:
+        with self._lock:
+            self._compiling.discard(gid)
+            sub = self._drop(gid)
+        if sub is not None:
+            sub.cancel()
+
+    def _on_backlog(self, state: Any, gid: int, paused: bool) -> None:
+        sub = self._subs.get(gid)
+        if sub is not None:
+            (self._paused.add if paused else self._paused.discard)(sub)
+
+    def _on_stats(self, state: Any, call: int) -> None:
+        self.send(ToClient.REPLY, call, state.pool.stats())  # a PoolStats (server/scheduling/model_state.py)
+
+    def _on_store(self, state: Any, call: int, op: str, key: str, value: Any) -> None:
+        with _STORE_LOCK:
+            result = self._store.put(key, value) if op == "put" else getattr(self._store, op)(key)
+        self.send(ToClient.REPLY, call, result)
+
+    # Every ToEngine kind but STOP, which `serve` answers itself (tests/server/test_engine_wire.py checks).
+    HANDLERS: dict[str, Callable[..., None]] = {
+        ToEngine.GENERATE: _on_generate, ToEngine.EMBED: _on_embed, ToEngine.CANCEL: _on_cancel,
+        ToEngine.BACKLOG: _on_backlog, ToEngine.STATS: _on_stats, ToEngine.STORE: _on_store}
 
     def _generation(self, spec: dict[str, Any], grammars: GrammarCompiler) -> Generation | GenerationFailed:
         grammar = spec.pop("grammar")
@@ -161,14 +171,14 @@ class EngineSide:
 
     def _submit(self, pool: Any, gid: int, sub: Submission | GenerationFailed) -> None:
         if isinstance(sub, GenerationFailed):
-            self.send(("events", [(gid, sub)]))
+            self.send(ToClient.EVENTS, [(gid, sub)])
             return
         self._register(gid, sub)  # again, where _compile_and_submit did: the same entries
         try:
             pool.submit(sub)
         except APIError as e:  # the pool's own limits (the HTTP side checks them first, so a race)
             self._drop(gid)
-            self.send(("events", [(gid, GenerationFailed(e.status, e.message, e.code))]))
+            self.send(ToClient.EVENTS, [(gid, GenerationFailed(e.status, e.message, e.code))])
 
 
 def serve_engine(conns: list[Connection], settings: Settings) -> None:
@@ -186,22 +196,22 @@ def serve_engine(conns: list[Connection], settings: Settings) -> None:
 
     def worker_failed(worker: Any) -> None:  # on the worker's thread
         for side in (main, *fronts):
-            side.send(("failed", f"{worker.name} stopped serving: {worker.failure}"))
+            side.send(ToClient.FAILED, f"{worker.name} stopped serving: {worker.failure}")
 
     try:
         state = load_model(settings, worker_failed)
     except Exception as e:
         log.debug("the model did not load", exc_info=e)
-        main.send(("load_failed", str(e)))
+        main.send(ToClient.LOAD_FAILED, str(e))
         return
-    main.send(("ready", ServedModel.of(state.runner)))
+    main.send(ToClient.READY, ServedModel.of(state.runner))
 
     serve_pipes(state, main, fronts)
 
 
 def serve_pipes(state: Any, main: EngineSide, fronts: list[EngineSide]) -> None:
     """Serve every HTTP process's pipe (the others' on threads of their own) until the main one says stop or goes
-    away; then stop the workers and say so."""
+    away; then stop the workers."""
     def serve_front(side: EngineSide, index: int) -> None:
         side.serve(state)
         log.info("HTTP process %d closed its pipe: its requests are cancelled", index)
@@ -215,4 +225,3 @@ def serve_pipes(state: Any, main: EngineSide, fronts: list[EngineSide]) -> None:
         side.close()
     main.stop_compiling()
     state.pool.stop()
-    main.send(("stopped",))

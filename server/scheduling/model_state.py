@@ -3,7 +3,7 @@ another process), the pool its requests go to (`Pool`: the worker pool here, or 
 `ModelState`, which the API's serving classes and the in-process `Generator` serve from."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -15,6 +15,31 @@ from server.config.presets import Preset
 from server.grammar.compiler import GrammarCompiler
 from server.scheduling.embedding_jobs import EmbeddingJob
 from server.scheduling.generation import Generation
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """The pool's load, KV-cache and speculation figures, summed over its workers: GET /health's body (`Health`,
+    server/api/openai/protocol.py, has a field of the same name for each) and GET /metrics's pool figures
+    (server/api/metrics.py). Crosses the engine process's pipe as it is. All zero (and no speculation) while no
+    figures were read yet."""
+
+    running: int = 0                       # sequences' requests in the running batches
+    queued: int = 0                        # submitted, waiting to run
+    generated_tokens: int = 0              # since start
+    kv_blocks_total: int = 0               # KV-cache blocks (0: an encoder, which has none)
+    kv_blocks_used: int = 0                # in use (cached but unreferenced blocks count as free)
+    prefix_cache_queried_tokens: int = 0   # prompt tokens looked up in the prefix cache, since start
+    prefix_cache_hit_tokens: int = 0       # prompt tokens found there, since start
+    preemptions: int = 0                   # sequences preempted for lack of KV blocks, since start
+    speculative: str | None = None         # the speculative decoding method in force ("ngram", "draft"), if any
+    # speculative decoding's figures, as vLLM's spec_decode metrics name them
+    spec_decode_num_drafts: int = 0        # sequence steps that verified drafted tokens
+    spec_decode_num_draft_tokens: int = 0  # tokens drafted
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # by position in the draft
+    spec_decode_acceptance_rate: float | None = None         # accepted / drafted tokens; None before any draft
+    spec_decode_mean_acceptance_length: float | None = None  # 1 + accepted / drafts; None before any draft
 
 
 class Pool(Protocol):
@@ -30,7 +55,7 @@ class Pool(Protocol):
     def submit(self, sub: Generation | EmbeddingJob) -> None:
         """Queue a generation or an embedding job (an APIError: queue full, or the engine has failed)."""
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> PoolStats:
         """The latest load, KV-cache and speculation figures."""
 
     async def refresh_stats(self) -> None:

@@ -15,6 +15,7 @@ from engine.errors import EngineError
 from server.scheduling.embedding_jobs import EmbeddingJob
 from server.errors import APIError
 from server.scheduling.generation import Generation, GenerationFailed
+from server.scheduling.model_state import PoolStats
 from server.scheduling.scheduler import Scheduler
 from server.speculative.speculator import Speculator
 
@@ -229,7 +230,7 @@ class WorkerPool:
     async def refresh_stats(self) -> None:
         """Nothing to fetch: `stats` reads the workers (the engine process's pool has to ask for them)."""
 
-    def stats(self) -> dict[str, int | float | str | list[int] | None]:
+    def stats(self) -> PoolStats:
         """Load and KV-cache figures summed over the workers (cached but unreferenced blocks count as free), and
         speculative decoding's (vLLM's spec_decode names; the rates None without any draft)."""
         blocks = [w.runner.blocks for w in self.workers if w.runner.blocks is not None]  # an encoder has none
@@ -238,14 +239,13 @@ class WorkerPool:
         accepted = sum(s.num_accepted_tokens for s in spec)
         method = next((w.scheduler.speculator.config.method for w in self.workers
                        if w.scheduler.speculator is not None), None)
-        return {"running": self.running, "queued": self.queued, "generated_tokens": self.generated_tokens,
-                "kv_blocks_total": sum(b.num_blocks for b in blocks), "kv_blocks_used": sum(b.num_used for b in blocks),
-                "prefix_cache_queried_tokens": sum(b.queries for b in blocks),
-                "prefix_cache_hit_tokens": sum(b.hits for b in blocks),
-                "preemptions": sum(w.scheduler.preemptions for w in self.workers),
-                "speculative": method, "spec_decode_num_drafts": drafts, "spec_decode_num_draft_tokens": drafted,
-                "spec_decode_num_accepted_tokens": accepted,
-                "spec_decode_num_accepted_tokens_per_pos": [sum(col) for col in zip(*(s.accepted_per_position
-                                                                                     for s in spec))],
-                "spec_decode_acceptance_rate": accepted / drafted if drafted else None,
-                "spec_decode_mean_acceptance_length": 1 + accepted / drafts if drafts else None}
+        return PoolStats(
+            running=self.running, queued=self.queued, generated_tokens=self.generated_tokens,
+            kv_blocks_total=sum(b.num_blocks for b in blocks), kv_blocks_used=sum(b.num_used for b in blocks),
+            prefix_cache_queried_tokens=sum(b.queries for b in blocks), prefix_cache_hit_tokens=sum(b.hits for b in blocks),
+            preemptions=sum(w.scheduler.preemptions for w in self.workers),
+            speculative=method, spec_decode_num_drafts=drafts, spec_decode_num_draft_tokens=drafted,
+            spec_decode_num_accepted_tokens=accepted,
+            spec_decode_num_accepted_tokens_per_pos=[sum(col) for col in zip(*(s.accepted_per_position for s in spec))],
+            spec_decode_acceptance_rate=accepted / drafted if drafted else None,
+            spec_decode_mean_acceptance_length=1 + accepted / drafts if drafts else None)

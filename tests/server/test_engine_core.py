@@ -1,4 +1,4 @@
-"""The engine process's end of the pipe (server/engine_core.py), driven in this process through a real pipe: a
+"""The engine process's end of the pipe (server/process/engine.py), driven in this process through a real pipe: a
 constrained generation's grammar compiles off the pipe's thread and the generation then reaches the pool with it;
 one cancelled while its grammar compiles never runs; a failing grammar answers with a 400 event."""
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any
 from server.process.engine import EngineSide, serve_pipes
 from server.process.response_store import ResponseStore
 from server.scheduling.generation import Generation, GenerationFailed
+from server.scheduling.model_state import PoolStats
 from server.grammar.compiler import GrammarCompiler, GrammarSpec
 from server.sampling.sampler import SamplingParams
 
@@ -32,8 +33,8 @@ class RecordingPool:
     def stop(self) -> None:
         self.stopped.set()
 
-    def stats(self) -> dict[str, Any]:
-        return {"running": len(self.submitted)}
+    def stats(self) -> PoolStats:
+        return PoolStats(running=len(self.submitted))
 
 
 def _spec(grammar: GrammarSpec | None) -> dict[str, Any]:
@@ -75,7 +76,7 @@ def test_a_constrained_generation_reaches_the_pool_with_its_compiled_grammar(gra
     constrained = [g for g in pool.submitted if g.grammar is not None]
     assert len(constrained) == 1 and constrained[0].grammar.spec == GrammarSpec.json_schema(SCHEMA)
     assert all(g.sink is not None and g.loop is None for g in pool.submitted)
-    assert replies == [("stopped",)]
+    assert replies == []  # nothing comes back for them
 
 
 def test_a_generation_cancelled_while_its_grammar_compiles_never_runs(grammars: GrammarCompiler) -> None:
@@ -83,7 +84,7 @@ def test_a_generation_cancelled_while_its_grammar_compiles_never_runs(grammars: 
     pool, replies = _serve(grammars, [[("generate", 7, _spec(GrammarSpec.json_schema(schema))), ("cancel", 7)]])
     # cancelled before it was registered: never submitted; or registered first: submitted, then cancelled
     assert all(gen.cancelled for gen in pool.submitted), pool.submitted
-    assert replies == [("stopped",)]
+    assert replies == []  # nothing comes back for them
 
 
 def test_a_grammar_that_fails_to_compile_answers_with_a_400_event(grammars: GrammarCompiler) -> None:
@@ -93,7 +94,7 @@ def test_a_grammar_that_fails_to_compile_answers_with_a_400_event(grammars: Gram
     kind, wire = replies[0]
     assert kind == "events" and wire[0][0] == 3
     assert isinstance(wire[0][1], GenerationFailed) and wire[0][1].status == 400
-    assert replies[-1] == ("stopped",)
+    assert len(replies) == 1
 
 
 def test_an_http_process_that_leaves_has_its_generations_cancelled_and_the_engine_serves_on(
@@ -123,7 +124,7 @@ def test_an_http_process_that_leaves_has_its_generations_cancelled_and_the_engin
     assert by_side[id(front)].cancelled and not by_side[id(main)].cancelled
     assert not pool.stopped.is_set()
     main_here.send([("stats", 11)])
-    assert main_here.poll(30) and main_here.recv() == ("reply", 11, {"running": 2})
+    assert main_here.poll(30) and main_here.recv() == ("reply", 11, PoolStats(running=2))
     main_here.send([("stop",)])
     serving.join(30)
-    assert pool.stopped.is_set() and main_here.recv() == ("stopped",)
+    assert pool.stopped.is_set() and not main_here.poll(0.5)  # nothing more after stop

@@ -1,11 +1,11 @@
-"""The wire between the HTTP and engine processes (server/engine_wire.py), in this process: a ChoiceDelta crosses
+"""The wire between the HTTP and engine processes (server/process/wire.py), in this process: a ChoiceDelta crosses
 as a plain tuple and comes back equal, the rarer events cross as they are, and what the engine process tells the HTTP process of its model
 (`ServedModel`) survives pickling with everything the HTTP side reads of a runner."""
 from __future__ import annotations
 
 import multiprocessing
 import pickle
-from dataclasses import fields
+from dataclasses import asdict, fields
 from typing import Any
 
 import pytest
@@ -14,8 +14,8 @@ import torch
 from engine import Runner, load_runner
 from server.scheduling.loading import model_state
 from server.scheduling.embedding_jobs import EmbeddingsDone
-from server.process.wire import decode_event, encode_event, is_final
-from server.scheduling.model_state import CacheLayout, ServedModel
+from server.process.wire import ToClient, ToEngine, decode_event, encode_event, is_final
+from server.scheduling.model_state import CacheLayout, PoolStats, ServedModel
 from server.scheduling.generation import ChoiceDelta, GenerationDone, GenerationFailed, PromptLogprobs, TokenLogprob
 from server.config.settings import Settings
 
@@ -130,3 +130,42 @@ def test_settings_cross_to_the_engine_process() -> None:
                         allowed_origins=["https://example.com"])
     back = pickle.loads(pickle.dumps(settings))
     assert back == settings and back.api_key.get_secret_value() == "sk-test"
+
+
+def test_every_message_kind_has_a_handler_on_the_receiving_side() -> None:
+    """Each kind the HTTP process can send the engine (ToEngine) is answered by the engine side's table (STOP by
+    its `serve` loop), and each kind the engine can send (ToClient) by the client's (READY and LOAD_FAILED by
+    `wait_ready`, before the pipe is attached): a kind added without a handler fails here."""
+    from server.process.client import EngineClient
+    from server.process.engine import EngineSide
+
+    assert set(EngineSide.HANDLERS) | {ToEngine.STOP} == set(ToEngine)
+    assert ToEngine.STOP not in EngineSide.HANDLERS
+    assert set(EngineClient.HANDLERS) | EngineClient.LOAD_MESSAGES == set(ToClient)
+    assert not set(EngineClient.HANDLERS) & EngineClient.LOAD_MESSAGES
+
+
+def test_a_message_kind_crosses_as_its_plain_string() -> None:
+    """The kinds are sent as their values: as small on the wire as a bare string, and still found in the tables."""
+    for kind in (*ToEngine, *ToClient):
+        assert type(kind.value) is str
+        back = _through_a_pipe((kind.value, 1))
+        assert type(back[0]) is str and back[0] == kind
+    assert len(pickle.dumps((ToClient.EVENTS.value, []), pickle.HIGHEST_PROTOCOL)) == len(
+        pickle.dumps(("events", []), pickle.HIGHEST_PROTOCOL))
+    from server.process.client import EngineClient
+    assert EngineClient.HANDLERS["events"] is EngineClient.HANDLERS[ToClient.EVENTS]
+
+
+def test_pool_stats_cross_the_pipe_and_match_the_health_body() -> None:
+    """`PoolStats` crosses as it is, and GET /health's `Health` has a field for each of its figures (so that none
+    is dropped or read under another name)."""
+    from server.api.openai.protocol import Health
+
+    stats = PoolStats(running=2, queued=1, kv_blocks_total=8, speculative="ngram",
+                      spec_decode_num_accepted_tokens_per_pos=[3, 1], spec_decode_acceptance_rate=0.5)
+    assert _through_a_pipe(stats) == stats
+    assert {f.name for f in fields(PoolStats)} <= set(Health.model_fields)
+    health = Health(status="ok", model="m", device="cpu", dtype="float32", quant="none", deterministic=True,
+                    **asdict(stats))
+    assert health.model_dump(exclude={"status", "model", "device", "dtype", "quant", "deterministic"}) == asdict(stats)

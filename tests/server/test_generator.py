@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from typing import Any, TypeVar
 
+import jsonschema
 import pytest
 from greedy_reference import Reference, spanning_stop
 
@@ -186,6 +188,35 @@ def test_bad_values_are_generation_errors_naming_the_field(smollm: Runner) -> No
         asyncio.run(Generator.builder("all-minilm-l6-v2").build())
 
 
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                          "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_a_json_schema_response_format_holds_the_output_to_the_schema(smollm: Runner) -> None:
+    """Structured outputs through the HTTP API's own preparation: JSON valid against the schema, for a chat and a
+    text prompt alike; a schema that is no JSON Schema is a GenerationError naming the field."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+
+    async def scenario(gen: Generator) -> list[Any]:
+        ask = [{"role": "user", "content": "Describe a person as JSON."}]
+        results = await asyncio.gather(gen.generate(ask), gen.generate("A person, as JSON:"))
+        with pytest.raises(GenerationError) as bad:
+            await gen.generate_with_config("Hi", {"response_format": {"type": "json_schema", "json_schema": {
+                "name": "x", "schema": {"type": 5}}}})
+        assert bad.value.status == 400 and bad.value.param == "response_format.json_schema.schema"
+        regex = await gen.generate_with_config("Hi", {"structured_outputs": {"regex": "[0-9]{3}"},
+                                                      "response_format": None})
+        assert regex.text.isdigit() and len(regex.text) == 3
+        return results
+
+    results = run_with(smollm, scenario, {**GREEDY, "max_tokens": 64, "response_format": fmt})
+    for result in results:
+        assert result.finish_reason == "stop", result.text
+        jsonschema.validate(json.loads(result.text), PERSON)
+        assert result.config.response_format == fmt
+
+
 def test_the_builder_and_the_sync_wrapper_serve_the_real_model(smollm: Runner, ref: Reference) -> None:
     prompt = "The three primary colors are"
     expected = ref.generate(smollm.tokenizer.encode(prompt), 6)
@@ -203,7 +234,7 @@ def test_the_builder_and_the_sync_wrapper_serve_the_real_model(smollm: Runner, r
         assert "".join(gen.stream_text(prompt)) == ref.text(expected)
         # the int4 draft's tokens were verified by the float32 target, which kept its own greedy tokens above
         spec = gen.generator.state.pool.stats()
-        assert spec["speculative"] == "draft" and spec["spec_decode_num_accepted_tokens"] > 0, spec
+        assert spec.speculative == "draft" and spec.spec_decode_num_accepted_tokens > 0, spec
         runner = gen.generator.state.runner
         for i, _ in enumerate(gen.stream(prompt, {"max_tokens": 200, "ignore_eos": True})):
             if i == 2:
@@ -218,7 +249,7 @@ def test_the_builder_and_the_sync_wrapper_serve_the_real_model(smollm: Runner, r
 
 def test_serving_freezes_the_heap_it_starts_with_and_a_stopped_pool_lets_it_go(smollm: Runner) -> None:
     """The collector's full collections do not walk what was alive when serving started (the pool freezes it:
-    server/worker.py), and once the pool stops it is collectable again."""
+    server/scheduling/worker.py), and once the pool stops it is collectable again."""
     gc.unfreeze()
     junk = [[i] for i in range(1000)]  # alive before serving starts: frozen with the rest
 
