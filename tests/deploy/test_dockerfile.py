@@ -31,8 +31,7 @@ import pytest
 
 from engine.registry import DEFAULT_MODEL, KNOWN_MODELS
 from server.config.settings import DEFAULT_PORT
-
-from server_process import ServerProcess, free_port, stop_server, wait_ready
+from tests.support.server_process import ServerProcess, free_port, stop_server, wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"

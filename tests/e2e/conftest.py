@@ -6,11 +6,11 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from server_process import EXACT, ServerProcess, start_server, stop_server
 
 from engine.tokenizer.tokenizer import Tokenizer
 from engine.registry import KNOWN_MODELS
 from engine.weights.gguf import read_gguf_metadata
+from tests.support.server_process import EXACT, ServerProcess, start_server, stop_server
 
 MODEL = "smollm2-135m"
 
@@ -53,6 +53,6 @@ def tokenizer() -> Tokenizer:
 @pytest.fixture(scope="session")
 def ref(smollm):
     """Greedy decoding by the engine in the test process (same weights as the server)."""
-    from greedy_reference import Reference
+    from tests.support.greedy_reference import Reference
 
     return Reference(smollm)

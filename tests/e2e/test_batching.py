@@ -12,7 +12,7 @@ import uuid
 import httpx
 import pytest
 
-from server_process import EXACT, start_server, stop_server
+from tests.support.server_process import EXACT, start_server, stop_server
 
 MODEL = "smollm2-135m"
 TOPICS = ["the sea", "a dragon", "winter", "a robot", "coffee", "the moon", "a library", "trains"]

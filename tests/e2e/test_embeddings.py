@@ -1,6 +1,7 @@
 """POST /v1/embeddings on real servers through the official openai client: all-MiniLM-L6-v2 served on its own, and
 SmolLM2 started with --embeddings (the suite's server, last-token pooling; and one with mean pooling), each against
-the engine in this process. (A decoder without --embeddings refusing: tests/server/test_serving_embeddings.py.)"""
+the engine in this process. (A decoder without --embeddings refusing:
+tests/server/api/openai/test_serving_embeddings.py.)"""
 from __future__ import annotations
 
 import base64
@@ -13,9 +14,9 @@ import openai
 import pytest
 import torch
 import torch.nn.functional as F
-from server_process import EXACT, ServerProcess, start_server, stop_server
 
 from engine import load_runner
+from tests.support.server_process import EXACT, ServerProcess, start_server, stop_server
 
 MINILM = "all-minilm-l6-v2"
 SMOLLM = "smollm2-135m"

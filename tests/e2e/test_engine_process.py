@@ -23,9 +23,10 @@ import jsonschema
 import numpy as np
 import openai
 import pytest
-from server_process import EXACT, ServerProcess, health_while_exiting, start_server, stop_server
-from test_disconnects import assert_stopped, wait_idle
-from test_metrics import idle, scrape, value
+
+from tests.e2e.test_disconnects import assert_stopped, wait_idle
+from tests.e2e.test_metrics import idle, scrape, value
+from tests.support.server_process import EXACT, ServerProcess, health_while_exiting, start_server, stop_server
 
 MODEL = "smollm2-135m"
 ENGINE = ("--model", MODEL, *EXACT, "--engine-process")

@@ -1,6 +1,6 @@
 """Every failure answers the OpenAI envelope `{"error": {"message", "type", "param", "code"}}` with the right
 status, seen both on the wire (raw httpx) and through the official client's exception classes; the server keeps
-serving afterwards. Failures after a stream started are covered in-process in tests/server/test_serving_errors.py.
+serving afterwards. Failures after a stream started are covered in-process in tests/server/api/test_serving_errors.py.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Faults stay with the requests they belong to, through a real server process with faults planted in its runner
-(tests/e2e/faulty_server.py): a refused row fails only its request (400), a crashed step only the requests in it
+(tests/support/faulty_server.py): a refused row fails only its request (400), a crashed step only the requests in it
 (500) while the server goes on, and a dead worker makes /health unhealthy and the server exit."""
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server_process import EXACT, ServerProcess, health_while_exiting, start_server, stop_server
+from tests.support.server_process import EXACT, ServerProcess, health_while_exiting, start_server, stop_server
 
 MODEL = "smollm2-135m"
-LAUNCHER = (str(Path(__file__).with_name("faulty_server.py")),)
+LAUNCHER = (str(Path(__file__).resolve().parents[1] / "support" / "faulty_server.py"),)
 
 
 def _chat(content: str, max_tokens: int, **extra) -> dict:
@@ -83,7 +83,7 @@ def test_a_refused_row_fails_only_its_own_request(faulty: ServerProcess) -> None
 def test_a_crashed_step_fails_its_request_and_the_server_goes_on(faulty: ServerProcess) -> None:
     """The crash comes after 3 streamed tokens and fails that request with an error event (500, no internals);
     the next requests get exactly what they get before. (That a crash fails only the step's requests, not those
-    waiting, is tests/server/test_scheduler.py's test_a_crashed_step_fails_only_the_requests_in_it.)"""
+    waiting, is tests/server/scheduling/test_scheduler.py's test_a_crashed_step_fails_only_the_requests_in_it.)"""
     good = _chat("Tell me about the moon.", 20)
     expected = _alone(faulty, good)
 

@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 
-from greedy_reference import Reference, spanning_stop
+from tests.support.greedy_reference import Reference, spanning_stop
 
 MODEL = "smollm2-135m"
 POEM = [{"role": "user", "content": "Write a short poem about the sea."}]

@@ -8,8 +8,9 @@ import json
 import jsonschema
 import openai
 import pytest
-from schema_cases import SCHEMAS as VARIED
-from schema_cases import TIME, TOOL_SCHEMAS, WEATHER
+
+from tests.support.schema_cases import SCHEMAS as VARIED
+from tests.support.schema_cases import TIME, TOOL_SCHEMAS, WEATHER
 
 
 MODEL = "smollm2-135m"

@@ -17,9 +17,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_process import EXACT, ServerProcess, start_server, stop_server
-from test_engine_process import EXIT_WITHIN_S, EXIT_WORKER_FAILED, children, engine_pid, wait_gone
-from test_metrics import idle, value
+
+from tests.e2e.test_engine_process import EXIT_WITHIN_S, EXIT_WORKER_FAILED, children, engine_pid, wait_gone
+from tests.e2e.test_metrics import idle, value
+from tests.support.server_process import EXACT, ServerProcess, start_server, stop_server
 
 MODEL = "smollm2-135m"
 FRONTS = ("--model", MODEL, *EXACT, "--engine-process", "--api-server-count", "2")

@@ -17,7 +17,7 @@ MODEL = "smollm2-135m"  # the model the session `server` fixture serves
 ROOT = Path(__file__).resolve().parents[2]
 
 
-import server_process as helpers  # noqa: E402
+from tests.support import server_process as helpers  # noqa: E402
 LONG = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long story about the sea."}],
         "max_tokens": 2000, "ignore_eos": True}
 

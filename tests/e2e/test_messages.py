@@ -14,7 +14,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from schema_cases import TIME, TOOL_SCHEMAS, WEATHER
+
+from tests.support.schema_cases import TIME, TOOL_SCHEMAS, WEATHER
 
 MODEL = "smollm2-135m"
 SYSTEM = "Answer briefly."

@@ -24,7 +24,8 @@ from schemathesis import Case, GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (content_type_conformance, negative_data_rejection,
                                                response_schema_conformance, status_code_conformance)
-from server_process import ServerProcess, start_server, stop_server
+
+from tests.support.server_process import ServerProcess, start_server, stop_server
 
 # Examples per route and generation mode: valid requests for every route, and invalid ones (a broken body, a
 # missing or wrong key) for those that take a key; the probes have one distinct request, so they run once. That is

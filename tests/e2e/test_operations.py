@@ -14,7 +14,8 @@ import anthropic
 import httpx
 import openai
 import pytest
-from server_process import MODEL, ServerProcess, start_server, stop_server
+
+from tests.support.server_process import MODEL, ServerProcess, start_server, stop_server
 
 API_KEY = "sk-test-7d1c0ffee-not-a-real-key"
 ORIGIN = "https://app.example.com"

@@ -12,9 +12,9 @@ import httpx
 import openai
 import pytest
 import torch
-from server_process import MODEL, ServerProcess, start_server, stop_server
 
 from engine import load_runner
+from tests.support.server_process import MODEL, ServerProcess, start_server, stop_server
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,8 @@ import jsonschema
 import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
-from schema_cases import TIME, TOOL_SCHEMAS, WEATHER
+
+from tests.support.schema_cases import TIME, TOOL_SCHEMAS, WEATHER
 
 MODEL = "smollm2-135m"
 BLOCK = 16  # the KV cache's block size: the prefix cache serves whole blocks

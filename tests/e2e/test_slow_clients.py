@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from server_process import start_server, stop_server
+from tests.support.server_process import start_server, stop_server
 
 MODEL = "smollm2-135m"
 TIMEOUT_S = 2

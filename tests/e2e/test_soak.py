@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from server_process import start_server, stop_server
-
-import soak
+from bench import soak
+from tests.support.server_process import start_server, stop_server
 
 
 def test_a_short_soak_leaves_nothing_behind(tmp_path) -> None:

@@ -9,8 +9,9 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from greedy_reference import Reference
-from server_process import EXACT, ServerProcess, start_server, stop_server
+
+from tests.support.greedy_reference import Reference
+from tests.support.server_process import EXACT, ServerProcess, start_server, stop_server
 
 MODEL = "smollm2-135m"
 CODE = '''def total(items):

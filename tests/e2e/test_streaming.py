@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from greedy_reference import Reference, spanning_stop
+from tests.support.greedy_reference import Reference, spanning_stop
 
 MODEL = "smollm2-135m"
 POEM = [{"role": "user", "content": "Write a short poem about the sea."}]

@@ -1,5 +1,5 @@
 """A real server with its model split over 2 processes on CPU (`--tensor-parallel-size 2 --device cpu`: gloo), on a
-tiny random llama (tests/engine/tiny_models.py): concurrent streams through the official client carry what the
+tiny random llama (tests/support/tiny_models.py): concurrent streams through the official client carry what the
 single-process engine generates greedily; a rank that dies takes the server down with a clear error, and the
 stream it was serving ends rather than hangs."""
 from __future__ import annotations
@@ -15,11 +15,11 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from greedy_reference import Reference
-from server_process import ServerProcess, start_server, stop_server
-from tiny_models import build_tiny_model
 
 from engine import load_runner
+from tests.support.greedy_reference import Reference
+from tests.support.server_process import ServerProcess, start_server, stop_server
+from tests.support.tiny_models import build_tiny_model
 
 SERVED = "tiny-tp"
 EXIT_WORKER_FAILED = 4  # server/launch/lifecycle.py

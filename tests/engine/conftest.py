@@ -1,10 +1,10 @@
-"""Session-wide tiny models (tests/engine/tiny_models.py), built once per test session in a tmp dir."""
+"""Session-wide tiny models (tests/support/tiny_models.py), built once per test session in a tmp dir."""
 
 from pathlib import Path
 
 import pytest
 
-import tiny_models
+from tests.support import tiny_models
 
 
 class TinyZoo:

@@ -1,4 +1,4 @@
-"""Validates tests/engine/tiny_models.py's GGUF writer independently of emberserve.
+"""Validates tests/support/tiny_models.py's GGUF writer independently of emberserve.
 
 transformers has its own GGUF reader for llama, qwen2, qwen3 and gemma3 that undoes llama.cpp's
 layout (the llama Q/K permutation, gemma's `1 + w` norms, the tensor names). Loading our GGUF with
@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 import torch
 
-import tiny_models as tm
-from tiny_models import GGUF_TYPES, VARIANTS, hf_greedy, hf_logits, prompt_ids
+from tests.support import tiny_models as tm
+from tests.support.tiny_models import GGUF_TYPES, VARIANTS, hf_greedy, hf_logits, prompt_ids
 
 _LONG = 36  # tokens: past gemma3's sliding window of 8, and far enough for rope scaling to matter
 

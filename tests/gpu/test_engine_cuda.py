@@ -10,8 +10,8 @@ from engine import load_runner
 from engine.model.batch import StepRow, TokenFeed
 from engine.cache.block_manager import PENDING_TOKEN
 from engine.runtime.cuda_graphs import bucket_of
-from tiny_models import VARIANTS, assert_logits_close, build_tiny_model, hf_greedy, hf_logits, prompt_ids, \
-    reference_model
+from tests.support.tiny_models import VARIANTS, assert_logits_close, build_tiny_model, hf_greedy, hf_logits, \
+    prompt_ids, reference_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

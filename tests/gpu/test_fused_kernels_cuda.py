@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine.kernels import fused as fused_kernels, fused_torch as fused_kernels_torch
-from fused_kernel_cases import MODELS, VARIANTS, Case, build, check, copied, expected, model_cases
+from tests.support.fused_kernel_cases import MODELS, VARIANTS, Case, build, check, copied, expected, model_cases
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),

@@ -7,7 +7,7 @@ import torch
 
 from engine.kernels import gemv
 from engine.model import layers
-from test_gemv import is_rounded_product
+from tests.engine.kernels.test_gemv import is_rounded_product
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = torch.device("cuda")

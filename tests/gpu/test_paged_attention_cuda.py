@@ -15,7 +15,7 @@ from engine.kernels import paged_attention
 from engine.cache.kv_cache import gather_blocks
 from engine.model.layers import decode_attention
 from engine.kernels.paged_attention_torch import reference_decode, reference_prefill
-from paged_attention_cases import TOLERANCE, Spec, build, claimed
+from tests.support.paged_attention_cases import TOLERANCE, Spec, build, claimed
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),

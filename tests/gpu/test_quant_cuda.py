@@ -10,12 +10,12 @@ import httpx
 import pytest
 import torch
 
+from bench.synthetic_model import Shape, write_model_dir
 from engine import load_runner
 from engine.model.quant import Int4Linear, Int8Linear, kernel_dense_weights, quantize_4bit, quantized_linear
 from engine.model.quant.cuda import Int4CudaLinear
-from server_process import start_server, stop_server
-from synthetic_model import Shape, write_model_dir
-from tiny_models import VARIANTS, build_tiny_model, prompt_ids
+from tests.support.server_process import start_server, stop_server
+from tests.support.tiny_models import VARIANTS, build_tiny_model, prompt_ids
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = torch.device("cuda")

@@ -9,9 +9,9 @@ import asyncio
 import pytest
 import torch
 
-import soak
-from server_process import start_server, stop_server
-from synthetic_model import Shape, write_model_dir
+from bench import soak
+from bench.synthetic_model import Shape, write_model_dir
+from tests.support.server_process import start_server, stop_server
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 SMALL = Shape("llama", 256, 4, 4, 2, 64, 512, 49152, 10000.0)  # the soak's token ids fit its vocabulary
