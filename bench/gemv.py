@@ -1,4 +1,4 @@
-"""engine/gemv.py's one-row kernel against torch's linear at a model's layer shapes, on a GPU.
+"""engine/kernels/gemv.py's one-row kernel against torch's linear at a model's layer shapes, on a GPU.
 
 Each call is timed inside a CUDA graph of 16 calls, over enough distinct weight matrices (400 MB at least) that no
 call finds its weights in L2, as in a decode step that reads every layer once. Prints µs and TB/s per shape for

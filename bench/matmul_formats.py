@@ -1,9 +1,9 @@
 """Weight formats against each other on this CPU: int4 / int8 packed kernels (torch's, and the integer-dot-product
-ones of engine/quant_dot.py where this CPU has AVX-512 VNNI) vs a dense bfloat16 matmul, by rows.
+ones of engine/model/quant/dot.py where this CPU has AVX-512 VNNI) vs a dense bfloat16 matmul, by rows.
 
     python bench/matmul_formats.py [--threads 2] [--rows 1 4 8 16 32 64 128 512]
 The shapes are SmolLM2-135M's layer matmuls (fused qkv, o, fused gate/up, down) and its int8 output projection. Prints one JSON line per
-(shape, rows) and a table of microseconds per call; where the dense column wins is where engine/quant.py
+(shape, rows) and a table of microseconds per call; where the dense column wins is where engine/model/quant/formats.py
 routes prefill tokens to a layer's dense copy (DENSE_MIN_ROWS).
 """
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """`DecoderModel`: embedding, a stack of family blocks, final norm and LM head, run over a flat `ForwardBatch`.
 
-The stack of blocks runs as one TorchScript call on CPU: the same modules compiled (engine/layers.py), bit-identical
+The stack of blocks runs as one TorchScript call on CPU: the same modules compiled (engine/model/layers.py), bit-identical
 to running them eagerly. A step is some 40 small operator calls per layer; from Python each costs dispatch overhead
 and each releases and re-takes the GIL, so in a server every step queued behind the event loop's Python again and
 again (an 8-row step beside a thread running Python a small part of the time took markedly longer than alone:
 bench/RESULTS.md#issue-5-cpu-scripted-decode). Scripted,
 they run in TorchScript's interpreter with the GIL released throughout. On other devices the modules run eagerly
-(captured in CUDA graphs for decode steps, engine/cuda_graphs.py).
+(captured in CUDA graphs for decode steps, engine/runtime/cuda_graphs.py).
 """
 from __future__ import annotations
 

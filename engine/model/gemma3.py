@@ -1,5 +1,5 @@
 """The gemma3 decoder block: sandwich norms around attention and MLP, q/k norms, GeGLU, sliding/global layers."""
-# No `from __future__ import annotations`: the block is compiled by TorchScript (engine/layers.py).
+# No `from __future__ import annotations`: the block is compiled by TorchScript (engine/model/layers.py).
 from typing import Optional, Tuple
 
 from torch import Tensor, nn

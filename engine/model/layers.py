@@ -2,7 +2,7 @@
 cache, gated MLPs.
 
 One definition serves every device and path: the modules run eagerly (GPU steps, captured in CUDA graphs per batch
-bucket), or scripted as one TorchScript call on CPU (engine/models/base.py), from the same code. Everything a layer
+bucket), or scripted as one TorchScript call on CPU (engine/model/decoder.py), from the same code. Everything a layer
 needs of the step comes in its `ForwardBatch`.
 """
 # No `from __future__ import annotations`: TorchScript reads the annotations of what it compiles as types.
@@ -28,7 +28,7 @@ from engine.cache.kv_cache import gather_blocks, window_span
 DENSE_ROW_BUCKET = 16
 
 # CPU decode rows, and short chunks over cached blocks, attend through their block tables with the compiled kernels
-# (engine/cpu_kernels.py) when they are there: keys read in place, no gather, no float32 copies. Under Triton's interpreter
+# (engine/kernels/cpu.py) when they are there: keys read in place, no gather, no float32 copies. Under Triton's interpreter
 # (tests) CPU tensors take the Triton kernels instead.
 CPU_PAGED_DECODE = CPU_KERNELS and os.environ.get("TRITON_INTERPRET", "0") != "1"
 if CPU_PAGED_DECODE:  # a function for TorchScript, which takes no global values (see fused_kernels.cpu_kernels_on)
@@ -89,7 +89,7 @@ class Linear(nn.Linear):
     """A dense linear layer called like the packed ones (quant.PackedLinear): x [M, in] and the step's routing.
 
     Deterministic steps on CPU take fixed-shape calls (tiled_matmul): a one-row call would take a matrix-vector
-    kernel, and calls of different row counts sum in different orders. One-row calls on a GPU take engine/gemv.py.
+    kernel, and calls of different row counts sum in different orders. One-row calls on a GPU take engine/kernels/gemv.py.
     """
 
     def forward(self, x: Tensor, packed_rows: int = 0, deterministic: bool = False) -> Tensor:
@@ -336,8 +336,8 @@ class GatedMLP(nn.Module):
 class DecoderStack(nn.Module):
     """Every layer of a step: x [N, hidden] of the flat batch in; the last layer's branch and residual stream out
     (a block takes the previous block's branch and the residual, so that the add and the next norm are one kernel,
-    engine/fused_kernels.py). Not a submodule of the model (it holds the model's own layers), so the same layers
-    run eagerly or scripted (engine/models/base.py)."""
+    engine/kernels/fused.py). Not a submodule of the model (it holds the model's own layers), so the same layers
+    run eagerly or scripted (engine/model/decoder.py)."""
 
     def __init__(self, layers: nn.ModuleList) -> None:
         super().__init__()

@@ -1,5 +1,5 @@
 """The llama decoder block, which also covers qwen2 (q/k/v biases) and qwen3 (q/k norms) through config flags."""
-# No `from __future__ import annotations`: the block is compiled by TorchScript (engine/layers.py).
+# No `from __future__ import annotations`: the block is compiled by TorchScript (engine/model/layers.py).
 from typing import Optional, Tuple
 
 from torch import Tensor, nn

@@ -1,8 +1,8 @@
-"""The tensor-parallel modules: each wraps a rank's share of a layer (dense or packed, engine/quant.py) and adds the
+"""The tensor-parallel modules: each wraps a rank's share of a layer (dense or packed, engine/model/quant/formats.py) and adds the
 collective that makes its output whole, over the process group named at load (`group`, an attribute of the layer).
 
 The collectives are torch's functional ones (`torch.ops._c10d_functional`): plain operators, so the decoder stack
-still runs as one TorchScript call on CPU (engine/models/base.py), and with NCCL they are kernels on the current
+still runs as one TorchScript call on CPU (engine/model/decoder.py), and with NCCL they are kernels on the current
 stream that a CUDA graph captures, with no host synchronisation inside a step.
 """
 # No `from __future__ import annotations`: TorchScript reads the annotations of what it compiles as types.

@@ -1,7 +1,7 @@
 """The step message: what rank 0 broadcasts to the other ranks before every forward pass, as one int64 tensor.
 
 A message is a mode (run a step for logits or for hidden states, or stop), the KV blocks to copy first
-(copy-on-write, engine/block_manager.py) and the step's `ForwardBatch`, every field of it: the other ranks run the
+(copy-on-write, engine/cache/block_manager.py) and the step's `ForwardBatch`, every field of it: the other ranks run the
 same forward pass over their own KV pools, whose blocks are laid out alike, so they need no scheduler, block manager
 or sampler of their own. The batch is flattened into a header of ints (scalars, and for each tensor its dtype and
 shape) and the tensors' values, sent as [header | values] on the ranks' device after a [2] tensor of the two lengths:

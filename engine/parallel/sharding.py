@@ -6,7 +6,7 @@ down; vocabulary-parallel: the embedding and the LM head (rows split, padded to 
 KV heads are split when they divide by the world size; when the world size is a multiple of them, each KV head is
 replicated on the ranks whose query heads read it (as vLLM does); anything else is refused. Norms are replicated.
 
-Sharding happens on the checkpoint's tensors before any quantization (engine/loader.py), so each rank quantizes its
+Sharding happens on the checkpoint's tensors before any quantization (engine/loader/build.py), so each rank quantizes its
 own share; the modules get their local shapes here, and their collectives from engine/parallel/layers.py.
 """
 from __future__ import annotations

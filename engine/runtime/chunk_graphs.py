@@ -14,7 +14,7 @@ token 0 at position 0, write their keys to the pool's spare slot, and no row cla
 Buckets of up to ALL_LOGITS_TOKENS tokens compute every position's logits (the LM head reads its weights once either
 way), so that a speculative verification row (its drafts and last token), which needs them all, replays one too.
 
-A step whose rows are decode rows (the decode graphs, engine/cuda_graphs.py) plus at most MAX_CHUNKS such chunks
+A step whose rows are decode rows (the decode graphs, engine/runtime/cuda_graphs.py) plus at most MAX_CHUNKS such chunks
 runs as those replays, the logits put back in the rows' order; anything else runs eagerly.
 """
 from __future__ import annotations

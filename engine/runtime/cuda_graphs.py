@@ -5,7 +5,7 @@ A decode step of B rows replays the graph of the smallest bucket >= B (1, 2, 4, 
 positions, cache slots, key counts, feed sources (TokenFeed) and block tables, filled on the host in pinned memory
 and sent with one copy per step. Padding rows read token 0 at position 0, write their key and value to a slot no sequence owns (the pool's
 spare block) and have no keys, so the paged decode kernel skips them; their logits are dropped. The graph runs the
-same modules as every other step (engine/models/base.py): the model's forward, captured.
+same modules as every other step (engine/model/decoder.py): the model's forward, captured.
 """
 from __future__ import annotations
 

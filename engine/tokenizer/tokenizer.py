@@ -254,7 +254,7 @@ class Tokenizer:
         self._template_tokens = {k: self.id_to_token(i) for k, i in names.items() if i is not None}
         self.set_chat_template(chat_template)
 
-    # Picklable, for the engine process to hand its tokenizer to the HTTP process (server/engine_process.py): what
+    # Picklable, for the engine process to hand its tokenizer to the HTTP process (server/process/client.py): what
     # is built on first use (the literal backend, the special-text finder, token bytes) is built again there; the
     # lock and the compiled chat template cannot travel.
     _UNPICKLED = ("_literal", "_special_text", "_literal_lock", "_chat")

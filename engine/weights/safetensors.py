@@ -1,5 +1,5 @@
 """Load a Hugging Face safetensors directory: config.json, one or many shards, renamed to the decoder's names
-(an encoder's tensors keep their Hugging Face names: engine/models/bert.py maps them)."""
+(an encoder's tensors keep their Hugging Face names: engine/model/bert.py maps them)."""
 from __future__ import annotations
 
 import json

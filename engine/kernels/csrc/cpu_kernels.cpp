@@ -3,8 +3,8 @@
 // A CPU decode step of a small model is bound by operator calls, not by memory
 // (bench/RESULTS.md#issue-17-cpu-fused-kernels): each
 // torch op between the matmuls costs microseconds of dispatch, allocation and OpenMP fork/join around nanoseconds
-// of work. These ops do the same maths as engine/fused_kernels_torch.py in one call each, registered with the
-// dispatcher as torch.ops.emberserve.* so that the scripted decoder stack (engine/models/base.py) calls them too:
+// of work. These ops do the same maths as engine/kernels/fused_torch.py in one call each, registered with the
+// dispatcher as torch.ops.emberserve.* so that the scripted decoder stack (engine/model/decoder.py) calls them too:
 //
 //   add_rms_norm          the residual add and the next RMS norm (x + residual, then its norm)
 //   norm_add_rms_norm     gemma3's sandwich: residual + norm(branch), then the next norm
@@ -835,7 +835,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& keys, c
 // Chunks of several rows packed as q [T, H, D]: row r's queries are q[query_starts[r] : + query_lens[r]] at
 // positions seq_lens[r] - query_lens[r] ... seq_lens[r] - 1, each seeing its row's keys up to its own position
 // (the chunk's own keys already written), the last `window` of them with a window. Tokens of q no row claims
-// are left as they are in `out`. The CPU form of engine/paged_attention.py's paged_prefill_attention.
+// are left as they are in `out`. The CPU form of engine/kernels/paged_attention.py's paged_prefill_attention.
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                                    const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                    const at::Tensor& query_lens, const at::Tensor& query_starts, int64_t block_size,

@@ -7,7 +7,7 @@
 // Here AVX-512 VNNI's vpdpbusd multiplies 64 unsigned weight bytes by 64 signed activation bytes and adds them
 // into 16 int32 lanes in one instruction, so a row of activations costs little more than the weights' loads.
 //
-// Weight layout (engine/quant_dot.py packs it): output rows in tiles of 16, one int32 lane per row; a lane holds
+// Weight layout (engine/model/quant/dot.py packs it): output rows in tiles of 16, one int32 lane per row; a lane holds
 // 4 consecutive inputs, so one 64-byte vector is 16 rows x 4 inputs and an activation's 4 bytes are broadcast to
 // all lanes. Per tile and block of 32 inputs:
 //   int4  320 bytes: 4 x 64 bytes of codes (the low nibble holds inputs 4c..4c+3 of the block, the high nibble

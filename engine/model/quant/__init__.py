@@ -7,11 +7,11 @@ The formats and the CPU modules are in `formats`; `dot` has the integer-dot-prod
 import torch
 
 from engine.model.quant import cuda as quant_cuda, dot as quant_dot
-from engine.model.quant.formats import (GROUP_SIZE, QUANT_MODES, Affine4Bit, Int4Linear, Int8Embedding, Int8Linear,
+from engine.model.quant.formats import (GROUP_SIZE, QUANT_MODES, QuantMode, Affine4Bit, Int4Linear, Int8Embedding, Int8Linear,
                                         PackedLinear, dense_copy_bytes, int4_matmul, int4_supported,
                                         kernel_dense_weights, quantize_4bit, quantize_int8)
 
-__all__ = ["GROUP_SIZE", "QUANT_MODES", "Affine4Bit", "Int4Linear", "Int8Embedding", "Int8Linear", "PackedLinear",
+__all__ = ["GROUP_SIZE", "QUANT_MODES", "QuantMode", "Affine4Bit", "Int4Linear", "Int8Embedding", "Int8Linear", "PackedLinear",
            "dense_copy_bytes", "int4_matmul", "int4_supported", "kernel_dense_weights", "quantize_4bit", "quantize_int8",
            "quantized_linear"]
 
@@ -22,8 +22,8 @@ def quantized_linear(weight: torch.Tensor | Affine4Bit, bias: torch.Tensor | Non
     """The module replacing an nn.Linear in `mode` ("int8" or "int4"), with a dense copy for big calls if asked,
     its buffers on `device`.
 
-    A bfloat16 model on a CPU with AVX-512 VNNI gets the integer-dot-product forms of engine/quant_dot.py, one on
-    CUDA int4 through tinygemm (engine/quant_cuda.py). int4 keeps 4-bit sources exact and quantizes float
+    A bfloat16 model on a CPU with AVX-512 VNNI gets the integer-dot-product forms of engine/model/quant/dot.py, one on
+    CUDA int4 through tinygemm (engine/model/quant/cuda.py). int4 keeps 4-bit sources exact and quantizes float
     sources; a GGUF tensor stored with more bits (Q5, Q6_K, Q8_0) is passed in dequantized with `mode` "int8" by
     the loader, so its precision is not thrown away.
     """

@@ -1,12 +1,12 @@
 """The quantized formats and their modules (the CPU forms): int8 per-channel and int4 group-wise linears, an int8 embedding.
 
 The matmuls are torch's CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`), which are fast with
-bfloat16 activations; on CUDA int4 runs through engine/quant_cuda.py and int8 through `_weight_int8pack_mm`. 4-bit GGUF blocks (Q4_0, Q4_1, Q4_K) map exactly onto the int4 format; other sources are
-quantized round-to-nearest here. The linears are scripted with the rest of the decoder stack (engine/layers.py).
+bfloat16 activations; on CUDA int4 runs through engine/model/quant/cuda.py and int8 through `_weight_int8pack_mm`. 4-bit GGUF blocks (Q4_0, Q4_1, Q4_K) map exactly onto the int4 format; other sources are
+quantized round-to-nearest here. The linears are scripted with the rest of the decoder stack (engine/model/layers.py).
 """
 # No `from __future__ import annotations`: TorchScript reads the linears' annotations as types.
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Literal, Optional, get_args
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +16,8 @@ from engine.model.layers import DENSE_ROW_BUCKET, dense_matmul
 
 GROUP_SIZE = 32          # input elements sharing one int4 scale/offset (ggml's block and sub-block size)
 _INT4_ROW_MULTIPLE = 16  # the int4 CPU kernel packs output rows in tiles of 16
-QUANT_MODES = ("none", "int8", "int4")
+QuantMode = Literal["none", "int8", "int4"]
+QUANT_MODES: tuple[str, ...] = get_args(QuantMode)
 
 
 @dataclass
