@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from multiprocessing.connection import Connection
 from socket import socket
-from typing import Any, Protocol
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -22,6 +22,7 @@ from server.api.openapi import install_openapi
 from server.api.request_context import REQUEST_ID_HEADER, RequestContext
 from server.api.routes import router
 from server.api.security import ApiKeyAuth, BodySizeLimit
+from server.api.state import AppState, Fronts, Servings, app_state
 from server.api.anthropic.serving import MessagesServing
 from server.api.openai.chat import ChatServing
 from server.api.openai.completions import CompletionServing
@@ -31,20 +32,9 @@ from server.config.settings import Settings, device_default
 from server.process.client import EngineClient, EngineResponses
 from server.process.response_store import LocalResponses, ResponseStore
 from server.scheduling.loading import load_model, model_state, stop_workers
-from server.scheduling.model_state import ModelState, ServedModel
+from server.scheduling.model_state import ModelState, PoolStats, ServedModel
 from server.scheduling.threads import GIL_SWITCH_INTERVAL_S, in_own_thread
 from server.scheduling.worker import freeze_heap
-
-
-class Fronts(Protocol):
-    """The other HTTP processes this one started (server/launch/http_fronts.py)."""
-
-    @property
-    def pids(self) -> list[int]: ...
-
-    def terminate(self) -> None: ...
-
-    def stop(self) -> None: ...
 
 
 # Starts the other HTTP processes: (settings, the engine's pipes for them, the model, the shared socket, on_exit).
@@ -55,10 +45,11 @@ log = logging.getLogger("emberserve")
 
 async def _load_engine_process(app: FastAPI, settings: Settings, on_failure: Callable[[str], None],
                                start_fronts: StartFronts | None) -> ModelState:
-    """Start the engine process (server/engine_process.py) and serve from it once its model is loaded; then the
-    other HTTP processes, if there are to be more (server/http_fronts.py)."""
+    """Start the engine process (server/process/client.py) and serve from it once its model is loaded; then the
+    other HTTP processes, if there are to be more (server/launch/http_fronts.py)."""
     fronts = settings.api_server_count - 1
-    sock = app.state.listen_socket
+    server = app_state(app)
+    sock = server.listen_socket
     if fronts and (sock is None or start_fronts is None):
         raise ValueError("--api-server-count above 1 needs the command line's server (`emberserve serve`), which "
                          "binds the port that the HTTP processes share")
@@ -67,8 +58,8 @@ async def _load_engine_process(app: FastAPI, settings: Settings, on_failure: Cal
     await client.attach()
     log.info("the engine runs in process %d beside this one (the HTTP server's)", client.pid)
     if fronts:
-        app.state.fronts = start_fronts(settings, client.front_conns, served, sock, on_failure)
-        log.info("%d more HTTP processes serve the port: %s", fronts, ", ".join(map(str, app.state.fronts.pids)))
+        server.fronts = start_fronts(settings, client.front_conns, served, sock, on_failure)
+        log.info("%d more HTTP processes serve the port: %s", fronts, ", ".join(map(str, server.fronts.pids)))
     return _served_from(settings, served, client)
 
 
@@ -89,6 +80,7 @@ def _served_from(settings: Settings, served: ServedModel, client: EngineClient) 
 async def _load_in_background(app: FastAPI, settings: Settings, engine: tuple[Any, ServedModel] | None,
                               start_fronts: StartFronts | None) -> None:
     loop = asyncio.get_running_loop()
+    server = app_state(app)
 
     def stopped_serving(reason: str) -> None:  # on a worker's thread, or the engine process reader's
         loop.call_soon_threadsafe(_stop_serving, app, reason)
@@ -104,18 +96,17 @@ async def _load_in_background(app: FastAPI, settings: Settings, engine: tuple[An
                 stop_workers)
     except Exception as e:  # a model that cannot load leaves nothing to serve: stop the server with the reason
         log.error("cannot load model %r: %s", settings.model, e)
-        app.state.load_error = str(e)
-        app.state.request_shutdown()
+        server.load_error = str(e)
+        server.request_shutdown()
         return
-    app.state.model = state
-    app.state.chat = ChatServing(state, app.state.metrics)
-    app.state.completions = CompletionServing(state, app.state.metrics)
+    metrics = server.metrics
     # One store for every HTTP process when there are several: the engine process's.
     store = (EngineResponses(state.pool) if settings.api_server_count > 1 else
              LocalResponses(ResponseStore(settings.responses_store_size, settings.responses_store_ttl)))
-    app.state.responses = ResponsesServing(state, app.state.metrics, store)
-    app.state.messages = MessagesServing(state, app.state.metrics)
-    app.state.embeddings = EmbeddingServing(state, app.state.metrics)
+    server.serving = Servings(chat=ChatServing(state, metrics), completions=CompletionServing(state, metrics),
+                              responses=ResponsesServing(state, metrics, store), messages=MessagesServing(state, metrics),
+                              embeddings=EmbeddingServing(state, metrics))
+    server.model = state
     log.info("serving %s at http://%s:%d/v1%s%s", state.model_id, settings.host, settings.port,
              f" with the {settings.preset} preset" if settings.preset else "",
              " (API key required)" if settings.api_key else "")
@@ -123,10 +114,11 @@ async def _load_in_background(app: FastAPI, settings: Settings, engine: tuple[An
 
 def _stop_serving(app: FastAPI, reason: str) -> None:
     """A worker died: /health turns 503 and the server exits (non-zero) so that its supervisor restarts it."""
-    if app.state.fatal_error is None:
+    server = app_state(app)
+    if server.fatal_error is None:
         log.critical("%s; shutting down", reason)
-        app.state.fatal_error = reason
-        app.state.request_shutdown()
+        server.fatal_error = reason
+        server.request_shutdown()
 
 
 def create_app(settings: Settings, engine: tuple[Any, ServedModel] | None = None,
@@ -145,25 +137,23 @@ def create_app(settings: Settings, engine: tuple[Any, ServedModel] | None = None
             loading.cancel()
             with suppress(asyncio.CancelledError):
                 await loading  # a load still running ends first (in_own_thread)
-            if app.state.fronts is not None:
-                app.state.fronts.stop()  # they drain, and need the engine until they are done
-            state: ModelState | None = app.state.model
+            server = app_state(app)
+            if server.fronts is not None:
+                server.fronts.stop()  # they drain, and need the engine until they are done
+            state = server.model
             if state is not None:
                 state.pool.stop()
 
     app = FastAPI(title="emberserve", version=__version__, lifespan=lifespan,
                   description="An OpenAI-compatible LLM inference server with its own torch engine.")
-    app.state.settings = settings
-    app.state.model = None
-    app.state.load_error = None
-    app.state.fatal_error = None   # set when a worker stopped serving: unhealthy, and the server exits
-    app.state.listen_socket = None  # the port's socket, bound by the CLI for the HTTP processes that share it
-    app.state.fronts = None        # the other HTTP processes (--api-server-count), started by this one
-    app.state.in_flight = 0        # requests being answered, probes and scrapes aside
-    app.state.draining = False     # set by SIGTERM: /health answers 503 and new requests are refused
-    app.state.metrics = ServerMetrics(lambda: app.state.model.pool.stats() if app.state.model is not None else None)
-    # The CLI replaces this with a graceful stop of its uvicorn server; embedded uses get a SIGTERM.
-    app.state.request_shutdown = lambda: os.kill(os.getpid(), signal.SIGTERM)
+
+    def pool_stats() -> PoolStats | None:  # what /metrics reads of the pool: nothing while the model loads
+        return None if server.model is None else server.model.pool.stats()
+
+    # The CLI replaces request_shutdown with a graceful stop of its uvicorn server; embedded uses get a SIGTERM.
+    server = AppState(settings=settings, metrics=ServerMetrics(pool_stats),
+                      request_shutdown=lambda: os.kill(os.getpid(), signal.SIGTERM))
+    app.state.server = server  # the app's one state object (server/api/state.py): read it with app_state(app)
     install_error_handlers(app)
     app.include_router(router)
     install_openapi(app, api_key=settings.api_key is not None)

@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.api.metrics import ServerMetrics
 from server.errors import APIError, internal_error, invalid, speaks_anthropic
 
 log = logging.getLogger("emberserve")
@@ -67,10 +68,17 @@ def _unparsable_body(exc: StarletteHTTPException) -> str:
     return str(exc.detail)
 
 
+def metrics_of(app: FastAPI) -> ServerMetrics:
+    """The app's metrics: its `AppState`'s (server/api/state.py, which this module cannot import: the serving
+    classes it types import this one)."""
+    metrics: ServerMetrics = app.state.server.metrics
+    return metrics
+
+
 def count(app: FastAPI, error: APIError) -> None:
     """Count an error response in the app's metrics by its type."""
     if error.status != 499:  # the client went away: nobody reads this, and its sequences count as aborted
-        app.state.metrics.fail(error.type)
+        metrics_of(app).fail(error.type)
 
 
 def answer(app: FastAPI, error: APIError, path: str = "") -> JSONResponse:

@@ -14,6 +14,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api.errors import answer
+from server.api.state import app_state
 from server.errors import APIError
 from server.logs import RequestRecord, reset_current_request, set_current_request
 
@@ -45,7 +46,7 @@ class RequestContext:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        state = scope["app"].state
+        state = app_state(scope["app"])
         headers = Headers(scope=scope)
         length = headers.get("content-length")
         record = RequestRecord(request_id_from(headers), scope["method"], scope["path"],

@@ -16,22 +16,27 @@ from server.api.anthropic.protocol import CountTokensRequest, MessageResponse, M
 from server.api.responses.protocol import InputItemList, ResponseDeleted, ResponseObject, ResponsesRequest
 from server.api.openai.serving import check_model, check_token_ids, prompt_work
 from server.scheduling.model_state import ModelState
-from server.api.openai.chat import ChatServing, chat_prompt_ids
-from server.api.openai.completions import CompletionServing
-from server.api.openai.embeddings import EmbeddingServing
-from server.api.anthropic.serving import MessagesServing
-from server.api.responses.serving import ResponsesServing
+from server.api.openai.chat import chat_prompt_ids
+from server.api.state import Servings, app_state
 
 router = APIRouter()
 LOADING_RETRY_AFTER_S = "5"
 
 
 def _state(request: Request) -> ModelState:
-    state: ModelState | None = request.app.state.model
+    state = app_state(request.app).model
     if state is None:
         raise APIError(503, "the model is still loading; retry shortly", code="model_loading",
                        headers={"Retry-After": LOADING_RETRY_AFTER_S})
     return state
+
+
+def _servings(request: Request) -> Servings:
+    """The API's serving objects (503 while the model loads: they are set with it)."""
+    _state(request)
+    serving = app_state(request.app).serving
+    assert serving is not None  # set together with the model, in one turn of the event loop
+    return serving
 
 
 def _state_for(request: Request, model: str | None) -> ModelState:
@@ -61,8 +66,9 @@ async def livez() -> Liveness:
                              "description": "the model is still loading (with Retry-After), or the server drains"}},
             summary="readiness: 503 while the model loads or the server drains, 200 when ready")
 async def health(request: Request) -> Health | JSONResponse:
-    state: ModelState | None = request.app.state.model
-    if request.app.state.draining:
+    server = app_state(request.app)
+    state = server.model
+    if server.draining:
         return _unavailable("draining")
     if state is None:
         return _unavailable("loading", headers={"Retry-After": LOADING_RETRY_AFTER_S})
@@ -82,10 +88,10 @@ async def health(request: Request) -> Health | JSONResponse:
                              "content": {PROMETHEUS_TEXT: {"schema": {"type": "string"}}}}},
             summary="Prometheus metrics, named as vLLM's with the prefix emberserve:")
 async def metrics(request: Request) -> Response:
-    state: ModelState | None = request.app.state.model
-    if state is not None:
-        await state.pool.refresh_stats()  # what the scrape's pool figures read
-    body, content_type = request.app.state.metrics.exposition()
+    server = app_state(request.app)
+    if server.model is not None:
+        await server.model.pool.refresh_stats()  # what the scrape's pool figures read
+    body, content_type = server.metrics.exposition()
     return Response(body, media_type=content_type)
 
 
@@ -107,25 +113,19 @@ _UTILITY_ERRORS = errors(400, 404, 413, 503)
 @router.post("/v1/chat/completions", response_model=None,
              responses={200: {"model": ChatCompletionResponse}, **_GENERATION_ERRORS})
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-    _state(request)
-    chat: ChatServing = request.app.state.chat
-    return await chat.create(body, request)
+    return await _servings(request).chat.create(body, request)
 
 
 @router.post("/v1/completions", response_model=None,
              responses={200: {"model": CompletionResponse}, **_GENERATION_ERRORS})
 async def completions(body: CompletionRequest, request: Request) -> Any:
-    _state(request)
-    serving: CompletionServing = request.app.state.completions
-    return await serving.create(body, request)
+    return await _servings(request).completions.create(body, request)
 
 
 @router.post("/v1/responses", response_model=None,
              responses={200: {"model": ResponseObject}, **_GENERATION_ERRORS})
 async def create_response(body: ResponsesRequest, request: Request) -> Any:
-    _state(request)
-    serving: ResponsesServing = request.app.state.responses
-    return await serving.create(body, request)
+    return await _servings(request).responses.create(body, request)
 
 
 _STORED_ERRORS = errors(404, 503)
@@ -134,50 +134,38 @@ _STORED_ERRORS = errors(404, 503)
 @router.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=_STORED_ERRORS,
             summary="a stored response (one made with store: true, until the store drops it)")
 async def retrieve_response(response_id: str, request: Request) -> ResponseObject:
-    _state(request)
-    serving: ResponsesServing = request.app.state.responses
-    return await serving.retrieve(response_id)
+    return await _servings(request).responses.retrieve(response_id)
 
 
 @router.delete("/v1/responses/{response_id}", response_model=ResponseDeleted, responses=_STORED_ERRORS)
 async def delete_response(response_id: str, request: Request) -> ResponseDeleted:
-    _state(request)
-    serving: ResponsesServing = request.app.state.responses
-    return await serving.delete(response_id)
+    return await _servings(request).responses.delete(response_id)
 
 
 @router.get("/v1/responses/{response_id}/input_items", response_model=InputItemList,
             responses=errors(400, 404, 503), summary="the input items of a stored response")
 async def response_input_items(response_id: str, request: Request, limit: int = Query(20, ge=1, le=100),
                                order: Literal["asc", "desc"] = "desc", after: str | None = None) -> InputItemList:
-    _state(request)
-    serving: ResponsesServing = request.app.state.responses
-    return await serving.input_items(response_id, limit, order, after)
+    return await _servings(request).responses.input_items(response_id, limit, order, after)
 
 
 @router.post("/v1/messages", response_model=None,
              responses={200: {"model": MessageResponse}, **anthropic_errors(400, 404, 413, 429, 503)},
              summary="Anthropic's Messages API (errors in Anthropic's envelope)")
 async def messages(body: MessagesRequest, request: Request) -> Any:
-    _state(request)
-    serving: MessagesServing = request.app.state.messages
-    return await serving.create(body, request)
+    return await _servings(request).messages.create(body, request)
 
 
 @router.post("/v1/messages/count_tokens", response_model=TokenCount,
              responses=anthropic_errors(400, 404, 413, 503))
 async def count_message_tokens(body: CountTokensRequest, request: Request) -> TokenCount:
-    _state(request)
-    serving: MessagesServing = request.app.state.messages
-    return await serving.count_tokens(body)
+    return await _servings(request).messages.count_tokens(body)
 
 
 @router.post("/v1/embeddings", response_model=None,
              responses={200: {"model": EmbeddingResponse}, **_GENERATION_ERRORS})
 async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
-    _state(request)
-    serving: EmbeddingServing = request.app.state.embeddings
-    return await serving.create(body, request)
+    return await _servings(request).embeddings.create(body, request)
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=_UTILITY_ERRORS)

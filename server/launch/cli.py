@@ -16,6 +16,7 @@ from engine.__main__ import add_commands, run
 
 from server import __version__
 from server.api.app import create_app
+from server.api.state import app_state
 from server.launch.http_fronts import Fronts
 from server.scheduling.loading import SELF_DRAFTS
 from server.scheduling.threads import cap_malloc_arenas
@@ -99,11 +100,12 @@ def _run_server(settings: Settings) -> int:
     log.debug("settings: %r", settings)  # SecretStr: the API key shows as '**********'
     # Several HTTP processes: the port is bound here, as uvicorn's own workers do, for every one of them to share.
     serve_until_stopped(app, settings, bind=settings.api_server_count > 1)
-    if app.state.load_error:
-        print(f"error: cannot load model {settings.model!r}: {app.state.load_error}", file=sys.stderr)
+    state = app_state(app)
+    if state.load_error:
+        print(f"error: cannot load model {settings.model!r}: {state.load_error}", file=sys.stderr)
         return EXIT_LOAD_FAILED
-    if app.state.fatal_error:
-        print(f"error: {app.state.fatal_error}", file=sys.stderr)
+    if state.fatal_error:
+        print(f"error: {state.fatal_error}", file=sys.stderr)
         return EXIT_WORKER_FAILED
     return 0
 

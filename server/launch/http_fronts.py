@@ -3,11 +3,11 @@
 One HTTP process parses, validates and tokenizes every request and writes every stream on one core; with a few
 hundred streams on a GPU that core, not the engine, sets the pace (bench/RESULTS.md#issue-13-gpu-engine-process).
 The main process
-(the CLI's) binds the port, starts the engine process (server/engine_process.py) with a pipe for each HTTP
+(the CLI's) binds the port, starts the engine process (server/process/client.py) with a pipe for each HTTP
 process and, once the model is loaded, starts the others here: each serves the same listening socket (the kernel
 hands each new connection to one of them) through its own pipe to the engine, with the same app as the main one.
 What must be one across them is: the engine's queues, stats and stored responses (the engine process holds
-them) and the metrics (files that a scrape of any process sums: server/metrics.py).
+them) and the metrics (files that a scrape of any process sums: server/api/metrics.py).
 
 The main process supervises: its SIGTERM drains the others too (they are sent SIGTERM), it stops the engine only
 after they exit, and one that dies unexpectedly takes the server down (exit 4) for its supervisor to restart,
@@ -25,6 +25,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 
 from server.api.app import create_app
+from server.api.state import app_state
 from server.api.metrics import MULTIPROCESS_ENV, share_metrics_across_processes
 from server.config.settings import Settings
 from server.launch.lifecycle import EXIT_WORKER_FAILED, serve_until_stopped
@@ -93,5 +94,5 @@ def serve_front(settings: Settings, conn: Connection, served: ServedModel, sock:
     app = create_app(settings, engine=(conn, served))
     log.debug("HTTP process %d serving", index)
     serve_until_stopped(app, settings, sock)
-    if app.state.fatal_error:
+    if app_state(app).fatal_error:
         sys.exit(EXIT_WORKER_FAILED)

@@ -12,6 +12,7 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
+from server.api.state import app_state
 from server.config.settings import Settings
 
 log = logging.getLogger("emberserve")
@@ -23,14 +24,15 @@ EXIT_WORKER_FAILED = 4
 
 def serve_until_stopped(app: FastAPI, settings: Settings, sock: socket.socket | None = None, bind: bool = False) -> None:
     """Serve `app` with a `DrainingServer` until it stops: on `sock` (a socket another process bound and shares),
-    on one bound here for the other HTTP processes to share (`bind`: `app.state.listen_socket`), or on the
+    on one bound here for the other HTTP processes to share (`bind`: its AppState's `listen_socket`), or on the
     settings' host and port."""
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             log_config=None, access_log=False, timeout_graceful_shutdown=FINAL_CLOSE_S)
     server = DrainingServer(config, app, grace=settings.shutdown_grace)
-    app.state.request_shutdown = lambda: setattr(server, "should_exit", True)
+    state = app_state(app)
+    state.request_shutdown = lambda: setattr(server, "should_exit", True)
     if bind:
-        sock = app.state.listen_socket = config.bind_socket()
+        sock = state.listen_socket = config.bind_socket()
     server.run(sockets=None if sock is None else [sock])
 
 
@@ -42,19 +44,20 @@ class DrainingServer(uvicorn.Server):
         self.app, self.grace = app, grace
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if sig == signal.SIGTERM and not self.app.state.draining and not self.should_exit:
+        state = app_state(self.app)
+        if sig == signal.SIGTERM and not state.draining and not self.should_exit:
             # Not passed to uvicorn: it would re-raise the signal after shutting down, and the exit status
             # would be 143 instead of a clean 0.
-            self.app.state.draining = True
-            fronts = self.app.state.fronts
-            if fronts is not None:  # the other HTTP processes drain beside this one (server/http_fronts.py)
+            state.draining = True
+            fronts = state.fronts
+            if fronts is not None:  # the other HTTP processes drain beside this one (server/launch/http_fronts.py)
                 fronts.terminate()
             threading.Thread(target=self._drain, name="drain", daemon=True).start()
             return
         super().handle_exit(sig, frame)
 
     def _drain(self) -> None:
-        state = self.app.state
+        state = app_state(self.app)
         deadline = time.monotonic() + self.grace
         log.info("SIGTERM: not taking new requests; waiting up to %.0fs for %d in flight", self.grace,
                  state.in_flight)

@@ -19,6 +19,7 @@ import openai
 import pytest
 
 import server.api.app as server_app
+from server.api.state import app_state
 from engine import ContextLengthError, Runner
 from server.config.settings import Settings
 from tests.support import app_harness
@@ -98,7 +99,7 @@ def test_failure_mid_stream_is_an_error_event_then_done(failing, path: str, body
         assert error["error"]["type"] == "server_error"
         assert failure.raised == 1
         # Counted once as a failure, though no error handler sees it, and not as a client that left.
-        metric = app.state.metrics.registry.get_sample_value
+        metric = app_state(app).metrics.registry.get_sample_value
         assert metric("emberserve:request_failure_total", {"error_type": "server_error"}) == 1
         assert metric("emberserve:request_success_total", {"finished_reason": "abort"}) == 0
         # The worker survives and serves the next request.
@@ -107,10 +108,10 @@ def test_failure_mid_stream_is_an_error_event_then_done(failing, path: str, body
         assert ok.status_code == 200, ok.text
         assert ok.json()["usage"]["completion_tokens"] == body["max_tokens"]
         for _ in range(200):  # the worker marks itself idle just after its last event
-            if app.state.model.pool.running == 0:
+            if app_state(app).model.pool.running == 0:
                 break
             await asyncio.sleep(0.01)
-        assert app.state.model.pool.running == 0
+        assert app_state(app).model.pool.running == 0
 
     run_app(scenario)
 
@@ -150,7 +151,7 @@ def test_failure_without_stream_is_a_500_envelope(failing, path: str, body: dict
         ok = await http.post(path, json=body)
         assert ok.status_code == 200, ok.text
         assert ok.json()["usage"]["completion_tokens"] == body["max_tokens"]
-        metric = app.state.metrics.registry.get_sample_value
+        metric = app_state(app).metrics.registry.get_sample_value
         assert metric("emberserve:request_failure_total", {"error_type": "server_error"}) == 1
         assert metric("emberserve:request_success_total", {"finished_reason": "length"}) == 1
 
@@ -234,7 +235,7 @@ def test_unexpected_exception_mid_stream_is_an_error_event_then_done(
         assert set(events[-1]) == {"error"}, events[-1]
         assert_envelope(events[-1]["error"])
         assert events[-1]["error"]["type"] == "server_error"
-        metric = app.state.metrics.registry.get_sample_value
+        metric = app_state(app).metrics.registry.get_sample_value
         assert metric("emberserve:request_failure_total", {"error_type": "server_error"}) == 1
 
     run_app(scenario)
@@ -274,7 +275,7 @@ def test_failure_mid_stream_is_the_apis_error_event(failing, path: str, body: di
             assert set(error) == {"type", "error"} and set(error["error"]) == {"type", "message"}, error
             assert error["error"]["type"] == "api_error" and error["error"]["message"], error
         assert failure.raised == 1
-        metric = app.state.metrics.registry.get_sample_value
+        metric = app_state(app).metrics.registry.get_sample_value
         assert metric("emberserve:request_failure_total", {"error_type": "server_error"}) == 1
         failure.on = False
         ok = await http.post(path, json=body)
