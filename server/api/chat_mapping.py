@@ -1,10 +1,11 @@
 """Endpoints whose requests are chat completions in another dress (OpenAI's Responses, Anthropic's Messages).
 
-Each maps its request onto a `ChatCompletionRequest` and from there takes the chat path's own steps: the prompt ids
-from the chat template (`chat_prompt_ids`), the sampling values and their defaults (`sampling_params`), the
-context check (`max_tokens`), the Generation (`new_generation`), the worker queue, and the events as they come
-(`events`), and with them the output's grammar and tool plan (`plan_output`: structured formats and tool calls are
-the chat endpoint's, parsed into the endpoint's blocks by `server.api.output_blocks`). Only the shape of the answer is
+Each maps its request onto a `ChatCompletionRequest` and from there takes the chat path's own steps: the one
+preparation of every generating endpoint (`OpenAIServing.prepare`: the output's grammar and tool plan by
+`plan_output`, the prompt ids from the chat template by `chat_prompt_ids`, the sampling values and their defaults,
+the budget by the chat's rules and the context check, the Generation, the worker queue), and the events as they
+come (`events`); structured formats and tool calls are the chat endpoint's, parsed into the endpoint's blocks by
+`server.api.output_blocks`. Only the shape of the answer is
 the endpoint's. An error those steps raise names the chat field; it is renamed to the endpoint's own field
 (`max_tokens` becomes `max_output_tokens`, `tools.0.function.parameters` becomes `tools.0.input_schema`, say).
 """
@@ -24,7 +25,7 @@ from server.errors import APIError, internal_error, invalid
 from server.scheduling.generation import ChoiceDelta, Generation, GenerationDone
 from server.api.openai.protocol import ChatCompletionRequest
 from server.api.openai.serving import OpenAIServing, prompt_work
-from server.api.openai.chat import OutputPlan, chat_prompt_ids, plan_output
+from server.api.openai.preparation import OutputPlan, chat_prompt_ids, plan_output
 from server.api.sse import event_json
 from server.api.openai.tool_calls import ToolPlan
 
@@ -133,16 +134,12 @@ class ChatMappedServing(OpenAIServing):
     async def start(self, chat: ChatCompletionRequest, rid: str, arrival: float) -> tuple[Generation, ToolPlan | None]:
         """The chat's Generation, queued for a worker (429 when the queue is full), and the tool plan its output
         is parsed with (None: text only)."""
-        plan = self.output_plan(chat)
+        async def prompt(plan: OutputPlan) -> list[list[int]]:
+            return [await self.prompt_ids(chat, plan.tools)]
+
         with self.own_field_names():
-            grammar = await self.compile_grammar(plan.grammar)
-        ids = await self.prompt_ids(chat, plan.tools)
-        with self.own_field_names():
-            max_tokens = self.completion_budget(chat, len(ids), "max_completion_tokens")
-            params = self.sampling_params(chat, False, 0)
-            gen = self.new_generation(chat, ids, params, max_tokens, rid, arrival, grammar=grammar)
-        self.submit([gen])
-        return gen, plan.calls
+            prepared = await self.prepare(chat, prompt, rid=rid, arrival=arrival)
+        return prepared.gens[0], prepared.plan.calls
 
     async def collect(self, gen: Generation, request: Request) -> ChatOutcome:
         """Run `gen` to its end (cancelled if the client goes away first: then a 499 nobody reads)."""

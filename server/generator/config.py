@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from server.errors import APIError
 from server.scheduling.generation import Generation
-from server.api.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, OpenAIRequest
+from server.api.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, StructuredRequest
 
 # What a prompt may be: text (a completion), token ids, or chat messages (the model's chat template applies).
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any] | ChatMessage]
@@ -58,6 +58,11 @@ class GenerationConfig:
     ignore_eos: bool | None = None
     seed: int | None = None
     preset: str | None = None
+    # Structured outputs, as the chat and completions APIs take them: `response_format` {"type": "json_object"} or
+    # {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}; `structured_outputs` (vLLM's) exactly
+    # one of {"json": schema, "regex": ..., "choice": [...], "grammar": ..., "json_object": true}.
+    response_format: Mapping[str, Any] | None = None
+    structured_outputs: Mapping[str, Any] | None = None
 
     @classmethod
     def of(cls, values: GenerationConfig | Mapping[str, Any] | None) -> GenerationConfig:
@@ -116,16 +121,19 @@ class GeneratedText:
         return self.text
 
 
-def ran_with(gen: Generation, preset: str | None) -> GenerationConfig:
+def ran_with(gen: Generation, preset: str | None, config: GenerationConfig | None = None) -> GenerationConfig:
+    """The values `gen` ran with; its output constraint as `config` (the call's) gave it."""
     p = gen.params
     return GenerationConfig(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
                             repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
                             frequency_penalty=p.frequency_penalty, max_tokens=gen.max_tokens,
                             min_tokens=gen.min_tokens, stop=tuple(gen.stop), ignore_eos=gen.ignore_eos, seed=p.seed,
-                            preset=preset)
+                            preset=preset, response_format=config.response_format if config else None,
+                            structured_outputs=config.structured_outputs if config else None)
 
 
-def generation_request(model: str, prompt: Prompt, config: GenerationConfig, stream: bool = False) -> OpenAIRequest:
+def generation_request(model: str, prompt: Prompt, config: GenerationConfig,
+                       stream: bool = False) -> StructuredRequest:
     """The request the HTTP API would get for this call, validated by its models (GenerationError otherwise): a
     completion for text or token ids, a chat completion for messages."""
     body = {"model": model, **config.request_fields(), "stream": stream}

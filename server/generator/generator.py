@@ -27,8 +27,8 @@ from engine import KNOWN_MODELS, ModelFormatError, Runner
 from engine.weights import no_progress
 
 from server.api.metrics import ServerMetrics
-from server.api.openai.chat import chat_prompt_ids
-from server.api.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from server.api.openai.preparation import OutputPlan, chat_prompt_ids
+from server.api.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest, StructuredRequest
 from server.api.openai.serving import OpenAIServing, check_token_ids, request_id
 from server.config.model_catalog import is_generator_model
 from server.config.presets import get_preset
@@ -69,7 +69,7 @@ class Generator:
         if runner.is_encoder:
             raise ValueError(f"{runner.name} is an encoder: it embeds, it does not generate")
         values = Settings(**{"model": runner.name, "device": str(runner.device), **settings})
-        # No output grammars in this API (yet): the grammar engine's vocabulary is not built for nothing.
+        # The grammar engine's vocabulary is built on the first call with an output constraint, not at start.
         return cls(start_serving(values, [runner], prepare_grammars=False), GenerationConfig.of(config))
 
     # ---- what is served ----
@@ -104,7 +104,9 @@ class Generator:
                                 min_p=params.min_p, repetition_penalty=params.repetition_penalty,
                                 presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
                                 max_tokens=budget, min_tokens=req.min_tokens, stop=tuple(req.stop),
-                                ignore_eos=req.ignore_eos, seed=params.seed, preset=self._preset_name(req))
+                                ignore_eos=req.ignore_eos, seed=params.seed, preset=self._preset_name(req),
+                                response_format=self.config.response_format,
+                                structured_outputs=self.config.structured_outputs)
 
     def _preset_name(self, req: OpenAIRequest) -> str | None:
         """The preset a request runs under: its own, else the generator's."""
@@ -118,7 +120,7 @@ class Generator:
     async def generate_with_config(self, prompt: Prompt,
                                    overrides: GenerationConfig | Mapping[str, Any] | None) -> GeneratedText:
         """Generate from `prompt`; the values `overrides` sets replace the generator's for this call."""
-        gen, req = await self._start(prompt, overrides, stream=False)
+        gen, req, config = await self._start(prompt, overrides, stream=False)
         text, tokens, logprobs = [], [], []
         finish, done = None, None
         async with aclosing(self._events(gen)) as events:
@@ -132,13 +134,13 @@ class Generator:
                     done = event
         assert done is not None and finish is not None  # _events ends with GenerationDone or raises
         return GeneratedText("".join(text), tokens, logprobs, finish, done.prompt_tokens, done.cached_tokens,
-                             ran_with(gen, self._preset_name(req)))
+                             ran_with(gen, self._preset_name(req), config))
 
     async def stream(self, prompt: Prompt, overrides: GenerationConfig | Mapping[str, Any] | None = None
                      ) -> AsyncIterator[StreamedToken]:
         """The tokens of a generation as the worker makes them. Leaving early (break, `aclose()`, a cancelled
         task) cancels the generation; wrap it in `contextlib.aclosing` for that to happen at once."""
-        gen, _ = await self._start(prompt, overrides, stream=True)
+        gen, _, _ = await self._start(prompt, overrides, stream=True)
         async with aclosing(self._events(gen)) as events:
             async for event in events:
                 if not isinstance(event, ChoiceDelta):
@@ -158,33 +160,36 @@ class Generator:
                     yield token.text
 
     # ---- the request path ----
-    def _request(self, prompt: Prompt, config: GenerationConfig, stream: bool) -> OpenAIRequest:
+    def _request(self, prompt: Prompt, config: GenerationConfig, stream: bool) -> StructuredRequest:
         return generation_request(self.model_name, prompt, config, stream)
 
-    def _prompt_ids(self, req: OpenAIRequest) -> list[int]:
+    def _prompt_ids(self, req: StructuredRequest, plan: OutputPlan) -> list[list[int]]:
         with as_generation_errors():
             if isinstance(req, ChatCompletionRequest):
-                return chat_prompt_ids(self.state, req.messages, add_generation_prompt=True)
+                return [chat_prompt_ids(self.state, req.messages, add_generation_prompt=True, tools=plan.tools)]
             assert isinstance(req, CompletionRequest)
             if isinstance(req.prompt, str):
-                return self.tokenizer.encode(req.prompt)
+                return [self.tokenizer.encode(req.prompt)]
             check_token_ids(req.prompt, self.vocab_size, "prompt")
-            return list(req.prompt)
+            return [list(req.prompt)]
 
     async def _start(self, prompt: Prompt, overrides: GenerationConfig | Mapping[str, Any] | None,
-                     stream: bool) -> tuple[Generation, OpenAIRequest]:
-        """The call's Generation, submitted to the worker pool."""
+                     stream: bool) -> tuple[Generation, StructuredRequest, GenerationConfig]:
+        """The call's Generation, submitted to the worker pool (by the HTTP API's own preparation:
+        `OpenAIServing.prepare`), its request and the values the call asked for."""
         if self._closed:
             raise GenerationError("this generator is closed", 503, code="closed")
         arrival = time.perf_counter()
-        req = self._request(prompt, self.config.merged(GenerationConfig.of(overrides)), stream)
-        ids = await asyncio.to_thread(self._prompt_ids, req)  # a chat template or a long text: off the loop
+        config = self.config.merged(GenerationConfig.of(overrides))
+        req = self._request(prompt, config, stream)
+
+        async def prompt_ids(plan: OutputPlan) -> list[list[int]]:
+            return await asyncio.to_thread(self._prompt_ids, req, plan)  # a chat template or a long text: off the loop
+
         with as_generation_errors():
-            params = self.serving.sampling_params(req, True, 0)
-            budget = self.serving.completion_budget(req, len(ids), "max_tokens")
-            gen = self.serving.new_generation(req, ids, params, budget, request_id("gen"), arrival)
-            self.serving.submit([gen])
-        return gen, req
+            prepared = await self.serving.prepare(req, prompt_ids, rid=request_id("gen"), arrival=arrival,
+                                                  logprobs=(True, 0))
+        return prepared.gens[0], req, config
 
     async def _events(self, gen: Generation) -> AsyncIterator[Any]:
         """The generation's events to its end; leaving early cancels it (serving.events does)."""
@@ -296,7 +301,7 @@ class GeneratorBuilder:
         return self.temperature(0.0)
 
     def preset(self, name: str) -> GeneratorBuilder:
-        """Start every call from a preset's values (server/presets.py; a call may name another)."""
+        """Start every call from a preset's values (server/config/presets.py; a call may name another)."""
         return self.setting("preset", get_preset(name).name)
 
     def creative(self) -> GeneratorBuilder:

@@ -1,76 +1,22 @@
 """POST /v1/chat/completions: messages → chat template → Generation → a chat.completion or its SSE chunks."""
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from jinja2 import TemplateError
 
 from server.errors import APIError, invalid
 from server.scheduling.generation import ChoiceDelta, Generation, GenerationDone, TokenLogprob
-from server.grammar.compiler import GrammarSpec, StructuredOutputError
 from server.api.openai.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
-    ChatMessage, FunctionCall, ResponseMessage, TokenLogprob as TokenLogprobModel, ToolCall)
+    FunctionCall, ResponseMessage, TokenLogprob as TokenLogprobModel, ToolCall)
 from server.api.openai.serving import OpenAIServing, cancel, prompt_work, request_id
-from server.scheduling.model_state import ModelState
 from server.api.sse import DONE, event_json, sse_response
-from server.api.openai.structured_outputs import output_grammar
-from server.api.openai.tool_calls import ToolPlan, plan_tools, template_messages, tool_format
+from server.api.openai.preparation import OutputPlan, chat_prompt_ids
+from server.api.openai.tool_calls import ToolPlan
 from server.api.tool_parser import ToolCallDelta, ToolCallParser
-
-
-def chat_prompt_ids(state: ModelState, messages: list[ChatMessage], add_generation_prompt: bool,
-                    tools: ToolPlan | None = None) -> list[int]:
-    """The prompt ids of a chat: the model's chat template over `messages` (and the tools, in the template's call
-    format), whose text stays text unless the server trusts its callers (`parse_special_in_messages`); a template
-    that rejects the messages is a 400."""
-    tokenizer = state.runner.tokenizer
-    try:
-        conversation, variables = template_messages(messages, tool_format(tokenizer.chat_template), tools)
-        return tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                             parse_special_in_messages=state.parse_special_in_messages, **variables)
-    except StructuredOutputError as e:
-        raise invalid(e.message, param=e.param) from None
-    except (TemplateError, ValueError, TypeError) as e:
-        raise invalid(f"the model's chat template rejected the messages: {e}", param="messages") from None
-
-
-@dataclass(frozen=True)
-class OutputPlan:
-    """What a chat request holds its output to: the grammar (the response format's, or the tool calls' with the
-    response format's answer in it) and the tool plan (None without tools)."""
-
-    grammar: GrammarSpec | None
-    tools: ToolPlan | None
-
-    @property
-    def calls(self) -> ToolPlan | None:
-        """The tool plan when the output is parsed for calls (not with tool_choice "none")."""
-        return self.tools if self.tools is not None and self.tools.parses_calls else None
-
-
-def plan_output(req: ChatCompletionRequest, template: str) -> OutputPlan:
-    """The output plan of a chat request (`template`: the model's chat template, which says the call format); a 400
-    naming the field when its format or tools cannot be honoured. Every endpoint on the chat path plans here."""
-    try:
-        spec = output_grammar(req.response_format, req.structured_outputs)
-        response = None
-        if spec is not None and req.tools and req.tool_choice != "none":
-            if spec.kind != "json_schema":
-                raise StructuredOutputError("with tools, only a JSON response_format can shape the answer",
-                                            spec.param)
-            response = json.loads(spec.source)
-        tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, template, response)
-    except StructuredOutputError as e:
-        raise invalid(e.message, param=e.param) from None
-    if tools is not None and tools.grammar is not None:
-        spec = tools.grammar  # the calls' grammar, with the response_format's answer in it
-    return OutputPlan(spec, tools)
 
 
 def finish_reason(reason: str | None, parser: ToolCallParser | None) -> str | None:
@@ -101,15 +47,13 @@ class ChatServing(OpenAIServing):
         self.log_unknown_fields(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise invalid("top_logprobs requires logprobs to be true", param="top_logprobs")
-        plan = plan_output(req, self.tokenizer.chat_template)
-        grammar = await self.compile_grammar(plan.grammar)
-        ids = await prompt_work(chat_prompt_ids, self.state, req.messages, req.add_generation_prompt, plan.tools)
-        max_tokens = self.completion_budget(req, len(ids), "max_completion_tokens", "max_tokens")
-        params = self.sampling_params(req, req.logprobs, req.top_logprobs or 0)
-        rid = request_id("chatcmpl")
-        gen = self.new_generation(req, ids, params, max_tokens, rid, arrival, grammar=grammar)
-        self.submit([gen])
-        calls = plan.calls
+
+        async def prompt(plan: OutputPlan) -> list[list[int]]:
+            return [await prompt_work(chat_prompt_ids, self.state, req.messages, req.add_generation_prompt,
+                                      plan.tools)]
+
+        prepared = await self.prepare(req, prompt, rid=request_id("chatcmpl"), arrival=arrival)
+        gen, calls = prepared.gens[0], prepared.plan.calls
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return sse_response(self._stream(gen, req.model, include_usage, calls), on_close=lambda: cancel([gen]),

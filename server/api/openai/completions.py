@@ -1,7 +1,6 @@
 """POST /v1/completions: prompts (text or token ids) → Generations → a text_completion or its SSE chunks."""
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -12,11 +11,10 @@ from fastapi import Request
 
 from server.errors import APIError, invalid
 from server.scheduling.generation import ChoiceDelta, Generation, GenerationDone, PromptLogprobs, TokenLogprob
-from server.grammar.compiler import StructuredOutputError
+from server.api.openai.preparation import OutputPlan
 from server.api.openai.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from server.api.openai.serving import OpenAIServing, cancel, check_token_ids, prompt_work, reported_logprob, request_id
 from server.api.sse import DONE, event_json, sse_response
-from server.api.openai.structured_outputs import output_grammar
 
 
 @dataclass
@@ -64,21 +62,13 @@ class CompletionServing(OpenAIServing):
             raise invalid("suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise invalid("best_of is not supported (only best_of == n)", param="best_of")
-        try:
-            spec = output_grammar(req.response_format, req.structured_outputs)
-        except StructuredOutputError as e:
-            raise invalid(e.message, param=e.param) from None
-        grammar = await self.compile_grammar(spec)
-        prompts = await prompt_work(self._prompts, req)
-        top_n = req.logprobs
-        params = self.sampling_params(req, top_n is not None, top_n or 0)
-        rid = request_id("cmpl")
-        channel: asyncio.Queue[Any] = asyncio.Queue()  # every prompt's events, as they come
-        gens = [self.new_generation(req, p.ids, params, self.completion_budget(req, len(p.ids), "max_tokens"),
-                                    rid, arrival, prompt_logprobs=top_n if req.echo and top_n is not None else None,
-                                    index=i, channel=channel, grammar=grammar)
-                for i, p in enumerate(prompts)]
-        self.submit(gens)
+        prompts: list[_Prompt] = []
+
+        async def prompt_ids(_: OutputPlan) -> list[list[int]]:
+            prompts.extend(await prompt_work(self._prompts, req))
+            return [p.ids for p in prompts]
+
+        gens = (await self.prepare(req, prompt_ids, rid=request_id("cmpl"), arrival=arrival)).gens
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return sse_response(self._stream(gens, prompts, req, include_usage), on_close=lambda: cancel(gens),

@@ -7,13 +7,12 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from server.config.presets import PresetName
+from server.sampling.sampler import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, logit_bias_entry
 
 
 # Numbers OpenAI documents as limits.
 MAX_STOP_STRINGS = 4
-MAX_TOP_LOGPROBS = 20
 MAX_N = 128
-MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]
 MAX_EMBEDDING_INPUTS = 2048  # inputs of one embeddings request, as OpenAI's
 
 
@@ -78,11 +77,7 @@ class OpenAIRequest(BaseModel):
     @classmethod
     def _bias_values(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (v or {}).items():
-            if not key.lstrip("-").isdigit():
-                raise ValueError(f"keys must be token ids, got {key!r}")
-            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-                raise ValueError(f"bias for token {key} must be between -{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}, "
-                                 f"got {bias}")
+            logit_bias_entry(key, bias, MAX_LOGIT_BIAS)  # the sampler's rule, with the API's limit
         return v
 
 

@@ -1,4 +1,5 @@
-"""What chat and completions share: model check, request → Generation, running it, logprob and usage shapes."""
+"""What the generating endpoints share: model check, request → Generation (`OpenAIServing.prepare`), running it,
+logprob and usage shapes."""
 from __future__ import annotations
 
 import asyncio
@@ -16,9 +17,11 @@ from server.scheduling.generation import Event, Generation, GenerationDone, Gene
 from server.grammar.compiler import CompiledGrammar, GrammarCompiler, GrammarSpec, StructuredOutputError
 from server.api.metrics import ServerMetrics
 from server.config.presets import PRESETS, layered_defaults
-from server.api.openai.protocol import OpenAIRequest, TopLogprob, Usage
+from server.api.openai.preparation import (Prepared, PromptIds, budget_fields, plan_output, prompt_logprobs,
+                                          requested_logprobs)
+from server.api.openai.protocol import OpenAIRequest, StructuredRequest, TopLogprob, Usage
 from server.logs import current_request
-from server.sampling.sampler import SamplingParams
+from server.sampling.sampler import SamplingParams, out_of_vocabulary
 from server.scheduling.model_state import ModelState
 from server.api.sse import sse_error
 
@@ -29,9 +32,8 @@ DISCONNECT_POLL_S = 0.2
 STREAM_BACKLOG_PER_CHOICE = 256
 # A request's prompt work (its chat template, tokenizing) runs on the event loop when its body is at most this big:
 # for a small prompt the hop to a worker thread and back costs more than the work, and its GIL hand-offs slow
-# every stream the loop serves (bench/http_cost.py; bench/RESULTS.md#issue-13-http-cost-host-side). A bigger body
-# goes to the thread pool, so that the loop serves the other requests meanwhile (the tokenizer runs there without
-# the GIL).
+# every stream the loop serves (bench/RESULTS.md, issue 13: bench/http_cost.py). A bigger body goes to the thread
+# pool, so that the loop serves the other requests meanwhile (the tokenizer runs there without the GIL).
 INLINE_PROMPT_BYTES = 16384
 T = TypeVar("T")
 
@@ -52,8 +54,8 @@ def check_model(state: ModelState, name: str) -> None:
 
 
 def check_token_ids(ids: Iterable[int], vocab_size: int, param: str) -> None:
-    """400 naming the first few ids outside [0, vocab_size)."""
-    bad = [t for t in ids if not 0 <= t < vocab_size]
+    """400 naming the first few ids outside [0, vocab_size) (the sampler's rule, `out_of_vocabulary`)."""
+    bad = out_of_vocabulary(ids, vocab_size)
     if bad:
         raise invalid(f"{param} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", param=param)
 
@@ -188,6 +190,26 @@ class OpenAIServing:
                           prompt_index=index, arrival=arrival, grammar=grammar,
                           max_backlog=STREAM_BACKLOG_PER_CHOICE * req.n if req.stream else None,
                           stream_interval=self.state.stream_interval, **extra)
+
+    async def prepare(self, req: StructuredRequest, prompts: PromptIds, *, rid: str, arrival: float,
+                      logprobs: tuple[bool, int] | None = None) -> Prepared:
+        """`req`, validated, as its Generations submitted to the worker pool: the one preparation of every endpoint
+        that generates. In order: the output plan and its compiled grammar (`plan_output`); the prompt ids, by the
+        endpoint's own step `prompts` given the plan; the sampling values (`logprobs`: (logprobs, top_logprobs),
+        else as the request asks); for each prompt its budget (`budget_fields`) and its Generation, the prompts
+        sharing one channel; then the submission (429 when the queue is full; all or none). A 400 names the field
+        at fault."""
+        plan = plan_output(req, self.tokenizer.chat_template)
+        grammar = await self.compile_grammar(plan.grammar)
+        ids = await prompts(plan)
+        params = self.sampling_params(req, *(logprobs if logprobs is not None else requested_logprobs(req)))
+        fields, echoed = budget_fields(req), prompt_logprobs(req)
+        channel: asyncio.Queue[Any] = asyncio.Queue()  # every prompt's events, as they come
+        gens = [self.new_generation(req, p, params, self.completion_budget(req, len(p), *fields), rid, arrival,
+                                    prompt_logprobs=echoed, index=i, channel=channel, grammar=grammar)
+                for i, p in enumerate(ids)]
+        self.submit(gens)
+        return Prepared(gens, plan)
 
     def submit(self, gens: list[Generation]) -> None:
         """Queue the generations (429 when the queue is full); on failure none of them stays queued."""
