@@ -4,6 +4,9 @@ A sequence's keys and values live in blocks of `block_size` tokens listed in its
 by reference count (session snapshots, prompts with a common prefix); a full block is registered in the prefix
 cache under a hash chained over all the tokens before it, so a later sequence with the same prefix reuses it.
 Unreferenced registered blocks stay cached until the pool runs short, then are evicted least recently used first.
+
+Its owner is the Runner (engine/runtime/runner.py): servers allocate, share and free blocks through the Runner's
+methods, and read this manager's counts only.
 """
 from __future__ import annotations
 

@@ -1,5 +1,12 @@
 """`Runner`: the host-driven loop over one decoder: batched steps over the paged KV cache, and a single session;
-and embeddings, of a decoder or of an encoder (which has no KV cache and only embeds)."""
+and embeddings, of a decoder or of an encoder (which has no KV cache and only embeds).
+
+Block ownership: the Runner owns its KV pool (`blocks`, a BlockManager); every change to it goes through a Runner
+method (allocate, match_prefix, share_sequence, free_sequence, rollback_sequence, step, embed). Callers decide
+*which* sequences hold blocks and when (the scheduler: admission, preemption, forks, asking `can_allocate`) but
+never touch the BlockManager themselves; `step` allocates whatever its rows still lack (already-held blocks are
+kept), performs the copy-on-write copies and commits computed blocks to the prefix cache. One owner keeps the
+pool's invariants (refcounts, pending copies, cache registration) in one module; `blocks` is read-only to others."""
 from __future__ import annotations
 
 import logging
@@ -69,7 +76,7 @@ class Runner:
         self.deterministic = deterministic
         # On a GPU decode rows (and prefill over cached blocks) read the cache through the paged kernels.
         self.paged_attention = device.type == "cuda"
-        # On CPU decode rows do too with the compiled kernel (engine/cpu_kernels.py); deterministic steps keep their
+        # On CPU decode rows do too with the compiled kernel (engine/kernels/cpu.py); deterministic steps keep their
         # float64 attention.
         self.paged_decode = device.type == "cpu" and CPU_PAGED_DECODE and not deterministic
         self.config: ModelConfig | EncoderConfig = model.cfg
@@ -100,7 +107,7 @@ class Runner:
                         num_blocks * block_size, self.context_size)
             self.context_size = num_blocks * block_size
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
-        # On a GPU one spare block past the manager's: CUDA-graph padding rows write there (engine/cuda_graphs.py).
+        # On a GPU one spare block past the manager's: CUDA-graph padding rows write there (engine/runtime/cuda_graphs.py).
         spare = 1 if device.type == "cuda" else 0
         self.cache = PagedKVCache(self.config, num_blocks + spare, block_size, dtype, device, kv_heads)
 
@@ -156,6 +163,22 @@ class Runner:
             self.blocks.match_prefix(seq, len(ids) - 1)
         return seq
 
+    def can_allocate(self, seq: KVSequence, total_tokens: int, reserve: int = 0) -> bool:
+        """Whether `seq` can be given the blocks for `total_tokens` tokens, leaving `reserve` blocks free."""
+        return self.blocks.can_allocate(seq, total_tokens, reserve=reserve)
+
+    def allocate(self, seq: KVSequence, total_tokens: int) -> None:
+        """Give `seq` the blocks to compute up to `total_tokens` tokens (NoFreeBlocks if the pool cannot)."""
+        self.blocks.allocate(seq, total_tokens)
+
+    def match_prefix(self, seq: KVSequence, max_tokens: int) -> int:
+        """Attach the longest cached prefix (at most `max_tokens` tokens) to `seq`, which holds no blocks."""
+        return self.blocks.match_prefix(seq, max_tokens)
+
+    def share_sequence(self, seq: KVSequence, length: int) -> KVSequence:
+        """A new sequence holding the first `length` computed tokens of `seq`, sharing its blocks (no copy)."""
+        return self.blocks.share(seq, length)
+
     def free_sequence(self, seq: KVSequence) -> None:
         """Return every block of `seq` to the pool (cached prefix blocks stay cached)."""
         self.blocks.release(seq)
@@ -191,8 +214,9 @@ class Runner:
         """One forward pass over every row; float32 logits [R, vocab] for the rows' "last"/"all" positions in order.
         `feed`: rows whose first token is read on the device (TokenFeed; not with tensor parallelism).
 
-        Rows that cannot run (see `row_errors`) raise RowError naming them before anything changes. Blocks are
-        allocated here (NoFreeBlocks if the pool cannot hold a row); afterwards each row's sequence counts the
+        Rows that cannot run (see `row_errors`) raise RowError naming them before anything changes. Blocks a row
+        still lacks are allocated here (NoFreeBlocks if the pool cannot hold it; a scheduler that allocated them
+        beforehand, through `allocate`, finds them kept); afterwards each row's sequence counts the
         tokens as computed and its completed blocks enter the prefix cache.
         """
         self._check_decoder()
@@ -288,8 +312,8 @@ class Runner:
                 self.blocks.release(seq)
 
     def capture_cuda_graphs(self, max_batch: int, chunk_tokens: int = CHUNK_BUCKETS[-1]) -> float:
-        """Capture decode steps of up to `max_batch` rows (engine/cuda_graphs.py) and prompt chunks of up to
-        `chunk_tokens` tokens (engine/chunk_graphs.py; 0: none) as CUDA graphs; returns the seconds it took. GPU
+        """Capture decode steps of up to `max_batch` rows (engine/runtime/cuda_graphs.py) and prompt chunks of up to
+        `chunk_tokens` tokens (engine/runtime/chunk_graphs.py; 0: none) as CUDA graphs; returns the seconds it took. GPU
         only."""
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {self.device.type}")

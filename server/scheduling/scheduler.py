@@ -27,18 +27,17 @@ from engine.cache.block_manager import PENDING_TOKEN, KVSequence
 from engine.errors import RowError
 
 from server.sampling.device_tokens import DeviceTokens, TokenLanding, sample_greedy_on_device
+from server.scheduling.drafting import draft_check, observe_decode_step, propose_drafts
 from server.scheduling.embedding_jobs import EmbeddingJob, EmbeddingSteps
 from server.scheduling.generation import Generation, GenerationFailed
 from server.scheduling.output_processor import (AUTO_MAX_INTERVAL, AUTO_STREAMS, OutputProcessor, Outcome,
     auto_stream_interval)
 from server.scheduling.pipelining import EarlyMasks, Inflight, grammar_masks, start_masks
 from server.scheduling.sequence import GenerationState, SequenceState
-from server.grammar.compiler import fill_draft_bitmasks
 from server.sampling.sampler import SequenceSampler, sample_batch
 from server.speculative.speculator import Speculator
-from server.speculative.rejection import DraftCheck, Proposal, verify_drafts
+from server.speculative.rejection import Proposal, verify_drafts
 from server.scheduling.stopping import StopChecker
-from server.grammar.token_bitmask import allocate_bitmask
 
 __all__ = ["AUTO_MAX_INTERVAL", "AUTO_STREAMS", "Scheduler", "auto_stream_interval"]
 
@@ -76,7 +75,7 @@ class Scheduler:
         self._embeddings_turn = True
         # On a GPU a step's launch does not wait for it, so the host work of a sampled token that the next step's
         # schedule does not need (detokenizing, stop strings, its event) waits until that step is launched and
-        # runs beside it (`_take_token`, then `_hand_on` from `_pending`). A stop string found then has cost its sequence
+        # runs beside it (`_take_token`, then `_hand_on` from `_pending`). A stop string found then cost its sequence
         # one row of that step, dropped. None: defer where the runner is on a GPU.
         self.defer_text = runner.device.type == "cuda" if defer_text is None else defer_text
         self._pending: list[tuple[SequenceState, int, float | None, list[tuple[int, float]] | None]] = []
@@ -194,8 +193,8 @@ class Scheduler:
         self.fail([seq.gen], 400, error, "context_length_exceeded" if "context" in error else None)
 
     def _schedule(self) -> list[SequenceState]:
-        """Pick this step's sequences and give each the blocks it needs; a sequence computes min(pending, budget) tokens."""
-        blocks, budget, chosen = self.runner.blocks, self.max_batched_tokens, []
+        """Pick this step's sequences and give each the blocks it needs; one computes min(pending, budget) tokens."""
+        runner, budget, chosen = self.runner, self.max_batched_tokens, []
         self._take, self._drafts = {}, {}
         proposals = self._propose()
         order, decoding = self._running_order()
@@ -220,22 +219,22 @@ class Scheduler:
             proposal = proposals.get(seq) if proposals else None
             drafts = proposal.cut(max(0, min(spare, budget - take))) if proposal is not None else None
             # Speculation never preempts: drafts go only where their blocks are free beside one for each sequence.
-            if drafts and drafts.tokens and blocks.can_allocate(
+            if drafts and drafts.tokens and runner.can_allocate(
                     kv, start + take + len(drafts.tokens), reserve=len(self.running)):
                 take += len(drafts.tokens)
                 spare -= len(drafts.tokens)
             else:
                 drafts = None
-            fits = blocks.can_allocate(kv, start + take)
+            fits = runner.can_allocate(kv, start + take)
             while not fits and self._preempt_newest(seq, self._take):
                 running = set(self.running)
-                fits = blocks.can_allocate(kv, start + take)
+                fits = runner.can_allocate(kv, start + take)
             if not fits:
                 self.running.remove(seq)  # even alone it does not fit now: wait for blocks
                 self.runner.free_sequence(kv)
                 self.waiting.appendleft(seq)
                 continue
-            blocks.allocate(kv, start + take)
+            runner.allocate(kv, start + take)
             if drafts is not None:
                 kv.tokens.extend(drafts.tokens)
                 self._drafts[seq] = drafts
@@ -252,30 +251,30 @@ class Scheduler:
                     # Every prompt position's logprob is computed, so no prefix is reused; a restart recomputes.
                     seq.prompt_logprobs = []
                 else:
-                    blocks.match_prefix(seq.kv, len(seq.kv.tokens) - 1)
+                    runner.match_prefix(seq.kv, len(seq.kv.tokens) - 1)
                 if seq.choice is None:
                     self._gens[seq.gen].cached_tokens = seq.kv.num_cached
             take = min(seq.kv.num_pending, budget)
             if self._refused(seq, take):
                 continue
             # Keep one free block per running sequence so admitting this one does not force a preemption.
-            if not blocks.can_allocate(seq.kv, seq.kv.num_computed + take, reserve=len(self.running)):
+            if not runner.can_allocate(seq.kv, seq.kv.num_computed + take, reserve=len(self.running)):
                 if self.running:
                     break
-                if not blocks.can_allocate(seq.kv, seq.kv.num_computed + take):
+                if not runner.can_allocate(seq.kv, seq.kv.num_computed + take):
                     # Nothing runs, so only waiting sequences hold blocks: prefixes they matched before a
                     # preempted sequence was put back ahead of them. Let those go; they match again in turn.
                     for other in self.waiting:
                         if other is not seq and other.kv.block_table:
                             self.runner.free_sequence(other.kv)
-                    if not blocks.can_allocate(seq.kv, seq.kv.num_computed + take):
+                    if not runner.can_allocate(seq.kv, seq.kv.num_computed + take):
                         # Cannot happen while the context is capped to the pool (Runner); fail it, not the worker.
                         log.error("%s: the KV cache cannot hold a sequence of %d tokens", seq.gen.request_id,
                                   len(seq.kv.tokens))
                         self.fail([seq.gen], 500, "the KV cache cannot hold this sequence")
                         continue
             self.waiting.popleft()
-            blocks.allocate(seq.kv, seq.kv.num_computed + take)
+            runner.allocate(seq.kv, seq.kv.num_computed + take)
             self.running.append(seq)
             state = self._gens[seq.gen]
             if not state.started:
@@ -288,22 +287,9 @@ class Scheduler:
 
     def _propose(self) -> dict[SequenceState, Proposal]:
         """Draft tokens of the decoding choices that speculate this step."""
-        spec = self.speculator
-        if spec is None:
+        if self.speculator is None:
             return {}
-        spec.retain(self.running)
-        rows = []
-        for seq in self.running:
-            if seq.choice is None or seq.kv.num_pending != 1 or seq.gen.backlogged:
-                continue
-            # The step makes one token anyway; drafts stay within max_tokens and the context (the tokens made so
-            # far counted from the sequence: its stop checker may not have seen the last one yet, see defer_text).
-            most = self.runner.context_size - len(seq.kv.tokens)
-            if seq.gen.max_tokens is not None:
-                most = min(most, seq.gen.max_tokens - (len(seq.kv.tokens) - len(seq.gen.prompt_ids)) - 1)
-            if most > 0:
-                rows.append((seq, seq.kv.tokens, most, seq.sampler))
-        return spec.propose(rows)  # type: ignore[return-value]
+        return propose_drafts(self.speculator, self.running, self.runner.context_size)
 
     def _rows(self, seqs: list[SequenceState]) -> list[StepRow]:
         rows, take, drafts = [], self._take, self._drafts
@@ -365,7 +351,7 @@ class Scheduler:
         seqs, rows, logits = done
         self._stepping = seqs
         finished: list[tuple[SequenceState, int]] = []  # sequences whose next token is due, and their row of `logits`
-        speculated: list[tuple[SequenceState, StepRow, int]] = []  # sequences that drafted, and their first row of `logits`
+        speculated: list[tuple[SequenceState, StepRow, int]] = []  # those that drafted, and their first row of `logits`
         offset = 0
         for seq, row in zip(seqs, rows):
             if row.logits == "last":  # the common row, a sequence's next token (never a draft's: those are "all")
@@ -395,16 +381,8 @@ class Scheduler:
         self._stepping = []
         self.output.flush()
         if self.speculator is not None:
-            self._observe_step(seqs, rows, time.perf_counter() - started)
+            observe_decode_step(self.speculator, seqs, rows, self._drafts, time.perf_counter() - started)
         self._drafts = {}
-
-    def _observe_step(self, seqs: list[SequenceState], rows: list[StepRow], seconds: float) -> None:
-        """Tell the speculator how a decode-only step went (a step with prompt chunks says nothing about it)."""
-        for seq, row in zip(seqs, rows):
-            drafts = self._drafts.get(seq)
-            if seq.choice is None or row.end - row.start != 1 + (len(drafts.tokens) if drafts else 0):
-                return
-        self.speculator.observe_step(len(seqs), sum(len(d.tokens) for d in self._drafts.values()), seconds)
 
     def _fork(self, seq: SequenceState) -> list[SequenceState]:
         """Turn a computed prompt into its `n` choices, sharing the prompt's blocks."""
@@ -412,7 +390,7 @@ class Scheduler:
         self.output.prompt_done(seq)
         choices = []
         for index in range(gen.n):
-            kv = seq.kv if index == gen.n - 1 else self.runner.blocks.share(seq.kv, seq.kv.num_computed)
+            kv = seq.kv if index == gen.n - 1 else self.runner.share_sequence(seq.kv, seq.kv.num_computed)
             sampler = SequenceSampler(gen.params, self.runner.vocab_size, gen.prompt_ids,
                                       self.runner.device, seed_offset=index)
             stopper = StopChecker(self.runner.tokenizer.detokenizer(skip_special_tokens=True), stop=gen.stop,
@@ -500,16 +478,7 @@ class Scheduler:
         checks, index = [], []
         for seq, row, offset in speculated:
             drafts = self._drafts[seq]
-            views = seq.sampler.lookahead(drafts.tokens)
-            ends = self._end_ids(seq.gen)
-            for i, view in enumerate(views):  # min_tokens: position i makes the choice's token num_tokens + i + 1
-                early_end = seq.stopper.num_tokens + i < seq.gen.min_tokens and not seq.gen.ignore_eos
-                view.suppressed = ends if early_end else None
-            allowed = None
-            if seq.matcher is not None:
-                allowed = allocate_bitmask(len(views), self.runner.vocab_size)
-                fill_draft_bitmasks(seq.matcher, drafts.tokens, allowed)
-            checks.append(DraftCheck(drafts.tokens, views, drafts.probs, allowed))
+            checks.append(draft_check(seq, drafts, self._end_ids(seq.gen), self.runner.vocab_size))
             index += range(offset, offset + len(drafts.tokens) + 1)
         rows = logits if index == list(range(len(logits))) else \
             logits.index_select(0, torch.tensor(index, device=logits.device))
@@ -525,7 +494,7 @@ class Scheduler:
 
     def _advance(self, seq: SequenceState, token: int, logprob: float | None, top: list[tuple[int, float]] | None,
                  append: bool = True) -> bool:
-        """Hand on the sequence's next token; whether the sequence goes on (False: it finished, or its generation failed).
+        """Hand on the sequence's next token; whether it goes on (False: it finished, or its generation failed).
         `append`: the token is new to the sequence (not an accepted draft already in its tokens)."""
         seq.sampler.observe(token)
         self.generated_tokens += 1
