@@ -1,4 +1,4 @@
-"""The fused CPU kernels of engine/csrc/cpu_kernels.cpp: built once per machine, loaded as torch.ops.emberserve.*.
+"""The fused CPU kernels of engine/kernels/csrc/cpu_kernels.cpp: built once per machine, loaded as torch.ops.emberserve.*.
 
 The library is compiled with the system's C++ compiler against the installed torch (torch's own headers and
 libraries, as torch.utils.cpp_extension does, without needing ninja) into a cache directory, under a name that
@@ -7,7 +7,7 @@ loads in milliseconds. `make install` builds it (`cpu_kernels.build()`), so a se
 request; a fresh environment that skipped that builds it on first import (seconds).
 
 Without a compiler (or when the build fails) every op is still defined, with the torch ops of
-engine/fused_kernels_torch.py as its implementation, so the scripted decoder stack compiles the same either way;
+engine/kernels/fused_torch.py as its implementation, so the scripted decoder stack compiles the same either way;
 `available()` then says False, and the decoder takes the torch path itself (a warning says why). EMBERSERVE_CPU_KERNELS=0
 turns the compiled kernels off (to measure what they bring, or to rule them out).
 """
@@ -27,9 +27,11 @@ from pathlib import Path
 
 import torch
 
+from engine.kernels import switches
+
 log = logging.getLogger("emberserve.engine")
 
-# The elementwise/attention kernels and the integer-dot-product matmuls (engine/quant_dot.py), one library.
+# The elementwise/attention kernels and the integer-dot-product matmuls (engine/model/quant/dot.py), one library.
 SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("cpu_kernels.cpp", "int8_dot.cpp"))
 _state: dict[str, object] = {"loaded": None, "why": ""}
 
@@ -79,7 +81,7 @@ def _flags() -> list[str]:
 def _library_path() -> Path:
     key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(_flags()).encode() + torch.__version__.encode()
                          + sys.version.encode()).hexdigest()[:16]
-    root = Path(os.environ.get("EMBERSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "emberserve")
+    root = switches.SWITCHES.kernel_cache or Path.home() / ".cache" / "emberserve"
     return root / f"cpu_kernels-{key}.so"
 
 
@@ -148,7 +150,7 @@ def available() -> bool:
     if _state["loaded"] is not None:
         return bool(_state["loaded"])
     loaded = False
-    if os.environ.get("EMBERSERVE_CPU_KERNELS", "1") == "0":
+    if not switches.decide_cpu_kernels():
         _state["why"] = "EMBERSERVE_CPU_KERNELS=0"
     else:
         try:

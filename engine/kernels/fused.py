@@ -12,7 +12,7 @@ kernels per layer (bench/RESULTS.md#issue-13-gpu-fused-kernels). These calls mer
 * `gated_activation`: chunk + silu/gelu + mul of the [gate | up] projection.
 
 Each runs the Triton kernel of `engine.kernels.fused_triton` on CUDA tensors (and on CPU ones under
-TRITON_INTERPRET=1, for the tests), the compiled CPU kernel of engine/csrc/cpu_kernels.cpp on other CPU tensors
+TRITON_INTERPRET=1, for the tests), the compiled CPU kernel of engine/kernels/csrc/cpu_kernels.cpp on other CPU tensors
 (engine.kernels.cpu; TorchScript calls it too, so the scripted CPU stack gets it), and otherwise
 `engine.kernels.fused_torch`: the same maths in plain torch ops (`torch.jit.is_scripting()` compiles the Triton
 branch out of the scripted stack).
@@ -31,7 +31,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from engine.kernels import cpu as cpu_kernels, fused_torch as fused_kernels_torch
+from engine.kernels import cpu as cpu_kernels, fused_torch as fused_kernels_torch, switches
 
 try:
     from engine.kernels import fused_triton as _kernels
@@ -44,7 +44,7 @@ MAX_NORM_HIDDEN = 16384  # a norm row is held whole by one program; wider rows t
 ACTIVATION_BLOCK = 1024
 
 
-# On CPU the compiled kernels of engine/csrc/cpu_kernels.cpp; without them the torch ops serve. TorchScript takes
+# On CPU the compiled kernels of engine/kernels/csrc/cpu_kernels.cpp; without them the torch ops serve. TorchScript takes
 # no global values, so the scripted stack asks a function, which it inlines to a constant.
 CPU_KERNELS = cpu_kernels.available()
 if CPU_KERNELS:
@@ -60,12 +60,12 @@ def triton_available() -> bool:
     return _kernels is not None
 
 
-# EMBERSERVE_FUSED_KERNELS=0 keeps every call on the torch path (to measure what the kernels bring).
-_ENABLED = os.environ.get("EMBERSERVE_FUSED_KERNELS", "1") != "0"
+# EMBERSERVE_FUSED_KERNELS=0 (KernelSwitches.fused_kernels) keeps every call on the torch path (to measure what the
+# kernels bring).
 
 
 def _runs_triton(t: Tensor) -> bool:
-    return _kernels is not None and _ENABLED and (
+    return _kernels is not None and switches.SWITCHES.fused_kernels and (
         t.is_cuda or (t.is_cpu and os.environ.get("TRITON_INTERPRET", "0") == "1"))
 
 

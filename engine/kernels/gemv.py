@@ -7,16 +7,17 @@ whole input dimension in wide tiles (figures against torch's linear: bench/RESUL
 on cuBLAS's matmul is as fast or faster, so only one-row calls take this path, and only where the input dimension
 is a multiple of 1,024 (the tiles measured faster).
 
-`Linear` (engine/layers.py) calls `serves` and `gemv`; `EMBERSERVE_GEMV=0` keeps every call on torch's linear.
+`Linear` (engine/model/layers.py) calls `serves` and `gemv`; `EMBERSERVE_GEMV=0` keeps every call on torch's linear.
 The kernel sums in float32 and rounds once, as cuBLAS does, in another order (an ulp of bfloat16 here and there).
 It synchronises nothing and allocates only its output: capturable in CUDA graphs.
 """
 # No `from __future__ import annotations`: TorchScript reads `gemv`'s signature (the scripted CPU stack calls Linear).
-import os
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
+
+from engine.kernels import switches
 
 try:
     from engine.kernels import gemv_triton as _kernels
@@ -25,7 +26,6 @@ except ModuleNotFoundError as e:  # no triton in this environment: torch's linea
         raise
     _kernels = None
 
-_ENABLED = os.environ.get("EMBERSERVE_GEMV", "1") != "0"
 _DTYPES = (torch.bfloat16, torch.float16)
 MIN_TILE = 1024  # the narrowest input tile `serves` sends here
 WIDE_OUTPUT = 16384  # from here on (gate/up, the LM head) 8 warps a program read faster than 4
@@ -46,7 +46,7 @@ def serves(x: Tensor, weight: Tensor) -> bool:
     input dimension that 1,024-wide tiles divide. Narrower tiles were slower than cuBLAS where they were measured
     (gemma3-1b's 1,152 and 6,912 inputs: bench/RESULTS.md#issue-13-gpu-gemv), so those layers keep torch's
     linear."""
-    return (_kernels is not None and _ENABLED and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
+    return (_kernels is not None and switches.SWITCHES.gemv and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
             and weight.shape[1] % MIN_TILE == 0 and weight.dtype in _DTYPES and x.dtype == weight.dtype
             and weight.stride(-1) == 1)
 

@@ -6,6 +6,7 @@ validation and the README's table are all derived from its fields.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_validator
@@ -13,9 +14,14 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from engine.runtime.chunk_graphs import MAX_CHUNKS
+from engine.model.quant.formats import QuantMode
+from engine.kernels.switches import KernelSwitches
 from engine.registry import DEFAULT_MODEL
 
 from server.config.presets import PresetName
+
+# Speculative decoding's methods: prompt lookup (n-gram) or a draft model.
+SpeculativeMethod = Literal["ngram", "draft"]
 
 ENV_PREFIX = "EMBERSERVE_"
 DEFAULT_HOST = "127.0.0.1"
@@ -35,6 +41,8 @@ def parse_bytes(text: str | int) -> int:
 
 
 Bytes = Annotated[int, BeforeValidator(parse_bytes)]
+# An engine kernel switch: from the environment, off only at "0" (as the engine reads it standalone); a flag's bool.
+KernelSwitch = Annotated[bool, BeforeValidator(lambda v: v != "0" if isinstance(v, str) else v)]
 PositiveInt = Annotated[int, Field(ge=1)]
 
 
@@ -49,7 +57,7 @@ class Settings(BaseSettings):
     device: str = Field("cpu", description="torch device: cpu, cuda, cuda:1, ...")
     dtype: Literal["float32", "bfloat16"] | None = Field(
         None, description="activations (default: bfloat16; float32 for unquantized checkpoints on CPU)")
-    quant: Literal["none", "int8", "int4"] | None = Field(
+    quant: QuantMode | None = Field(
         None, description="weights kept as int8 per-channel or int4 group-wise (CPU; CUDA with bfloat16); default: int4 for a GGUF "
                           "model on CPU unless dtype is float32, else none")
     max_context: PositiveInt | None = Field(None, description="cap the context below the model's")
@@ -97,7 +105,7 @@ class Settings(BaseSettings):
     prefix_caching: bool = Field(True, description="reuse the KV cache of prompt prefixes seen before")
     max_prompt_tokens: PositiveInt | None = Field(
         None, description="longest prompt accepted, in tokens (default: the context size); longer ones get a 400")
-    speculative: Literal["off", "ngram", "draft"] | None = Field(
+    speculative: Literal["off", SpeculativeMethod] | None = Field(
         None, description="speculative decoding: ngram (prompt lookup: drafts copied from the prompt and output so "
                           "far) or draft (a draft model, see draft_model); default: draft with a draft model, else off")
     num_speculative_tokens: int = Field(
@@ -144,6 +152,17 @@ class Settings(BaseSettings):
         30.0, ge=0, description="seconds a SIGTERM waits for in-flight requests before exiting")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
     log_format: Literal["text", "json"] = Field("text", description="text lines, or one JSON object per line")
+    # The engine's kernel switches (engine/kernels/switches.py, which reads the same variables when the engine runs
+    # without the server; these override it through `kernel_switches`). As there, a variable turns one off only at "0".
+    gemv: KernelSwitch = Field(
+        True, description="the Triton GEMV kernel for one-row matmuls on a GPU (off: torch's linear for every call)")
+    fused_kernels: KernelSwitch = Field(
+        True, description="the fused Triton kernels (RMSNorm, RoPE and KV writes, gated activations; off: torch ops)")
+    cpu_kernels: KernelSwitch = Field(
+        True, description="the compiled fused CPU kernels (off: torch ops); decided when the engine's kernels are "
+                          "first imported, so set through the environment")
+    kernel_cache: Annotated[str | None, BeforeValidator(lambda v: v or None)] = Field(
+        None, description="directory of the compiled CPU kernels' build (default: ~/.cache/emberserve)")
 
     @model_validator(mode="after")
     def _one_way_to_use_the_devices(self) -> Settings:
@@ -180,7 +199,13 @@ class Settings(BaseSettings):
         return self
 
     @property
-    def speculative_method(self) -> Literal["ngram", "draft"] | None:
+    def kernel_switches(self) -> KernelSwitches:
+        """The engine's kernel switches as these settings have them (put in force before a model loads)."""
+        return KernelSwitches(gemv=self.gemv, fused_kernels=self.fused_kernels, cpu_kernels=self.cpu_kernels,
+                              kernel_cache=None if self.kernel_cache is None else Path(self.kernel_cache))
+
+    @property
+    def speculative_method(self) -> SpeculativeMethod | None:
         """The speculation in force: draft with a draft model, ngram if asked, else None."""
         if self.draft_model is not None:
             return "draft"

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from engine import Runner, load_runner
+from engine.kernels.switches import configure as configure_kernels
 from engine.model.quant import dense_copy_bytes
 from engine.weights import Progress
 
@@ -91,7 +92,7 @@ def load_worker_runner(settings: Settings, index: int, progress: Progress) -> Ru
 def start_serving(settings: Settings, runners: list[Runner], on_worker_failure: Callable[[Worker], None] | None = None,
                   prepare_grammars: bool = True, speculators: list[Speculator | None] | None = None) -> ModelState:
     """A worker (thread and scheduler) for each runner, started, and the served model's state over them: what
-    the HTTP app and the in-process `Generator` (server/generator.py) both serve from. `prepare_grammars`: build
+    the HTTP app and the in-process `Generator` (server/generator/generator.py) both serve from. `prepare_grammars`: build
     the grammar engine's vocabulary now, beside serving (else on the first constrained request); `speculators`:
     each worker's speculative decoding (`load_speculator`), none by default."""
     # CPU workers (and tensor-parallel ranks) share the cores: more OpenMP threads than cores make every one of
@@ -140,6 +141,7 @@ def load_model(settings: Settings, on_worker_failure: Callable[[Worker], None] |
           progress: Progress | None = None, prepare_grammars: bool = True) -> ModelState:
     """Load the model for every worker and start serving it (`progress`: default, a bar or log lines)."""
     started = time.perf_counter()
+    configure_kernels(settings.kernel_switches)  # Settings over the engine's environment defaults
     if progress is None:
         progress = LoadProgress(interactive=None if settings.log_format == "text" else False)
     runners = [load_worker_runner(settings, i, progress) for i in range(settings.workers)]
