@@ -73,7 +73,7 @@ class _RequestIdFilter(logging.Filter):
 
 class _CutStreamFilter(logging.Filter):
     """uvicorn reports a response that never completed as an error; ours are streams cut for a client that stopped
-    reading (server/sse.py logs that at info), the expected end of such a stream: this says so at info level."""
+    reading (server/api/sse.py logs that at info), the expected end of such a stream: this says so at info level."""
 
     MESSAGE = "ASGI callable returned without completing response."
 

@@ -1,7 +1,7 @@
 """The maths of `engine.kernels.fused` in plain torch ops: exactly what the decoder blocks compute today, op for op.
 
 The fallback of every fused call (CPU, TorchScript, no Triton) and the reference the kernels are tested against.
-`rms_norm`, `apply_rope` and `gated_activation` are engine/layers.py's own definitions (moved here so that both
+`rms_norm`, `apply_rope` and `gated_activation` are engine/model/layers.py's own definitions (moved here so that both
 modules share one; layers.py imports this module, never the other way round).
 """
 # No `from __future__ import annotations`: TorchScript compiles these as part of the decoder stack.

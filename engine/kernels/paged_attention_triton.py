@@ -74,7 +74,7 @@ def _decode_segment(seq_len, segment, window, NUM_SEGMENTS: tl.constexpr, BLOCK_
 
 # Triton specialises on the int arguments' divisibility by 16 (aligned, vectorised loads: a much faster decode
 # than without, bench/RESULTS.md#issue-32-paged-decode-specialisation). The engine passes block tables of one
-# fixed width (engine/batch.py), so the variants it needs are compiled at start-up (Runner.capture_cuda_graphs) and
+# fixed width (engine/model/batch.py), so the variants it needs are compiled at start-up (Runner.capture_cuda_graphs) and
 # none while serving.
 @triton.jit
 def paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,

@@ -75,7 +75,7 @@ def tiled_matmul(x: Tensor, w: Tensor, bias: Optional[Tensor] = None, tile: int 
     Padding alone is not enough: MKL picks its blocking along the inner dimension by the row count (float32 on an
     AVX-512 Xeon: a [64, 1536] call sums a row differently from a [48, 1536] one), so a token's logits would
     depend on its chunk's length. Within one shape a row's result does not depend on where it sits among the
-    others (tests/engine/test_layers.py checks both).
+    others (tests/engine/model/test_layers.py checks both).
     """
     m = x.shape[0]
     pad = -m % tile

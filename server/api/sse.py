@@ -37,7 +37,7 @@ class _EventStream(StreamingResponse):
     Not sse-starlette's EventSourceResponse, which runs four tasks in an anyio task group for every stream (the
     events, pings, uvicorn's exit signal, the disconnect): their start and cancellation were a good part of the
     HTTP process's CPU per streamed request (bench/http_cost.py; bench/RESULTS.md#issue-13-http-cost-stream-task).
-    uvicorn's own shutdown (timeout_graceful_shutdown, server/cli.py) ends streams left open when the server stops.
+    uvicorn's own shutdown (timeout_graceful_shutdown, server/launch/cli.py) ends streams left open when the server stops.
     """
 
     media_type = "text/event-stream"

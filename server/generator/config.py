@@ -43,7 +43,7 @@ def as_generation_errors() -> Iterator[None]:
 class GenerationConfig:
     """Generation values of a generator or one call; None leaves a value out (the preset's, the generator's preset,
     the model's default applies, in that order; max_tokens left out everywhere: until an end token or the context
-    is full). `preset` names a profile of server/presets.py."""
+    is full). `preset` names a profile of server/config/presets.py."""
 
     temperature: float | None = None
     top_p: float | None = None

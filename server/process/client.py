@@ -283,7 +283,7 @@ class EngineClient:
                 if self._backlog_check is None:
                     self._backlog_check = self._loop.call_later(BACKLOG_POLL_S, self._resume_readers)
 
-    # What answers each ToClient kind (tests/server/test_engine_wire.py checks that every kind has one): `_received`'s
+    # What answers each ToClient kind (tests/server/process/test_engine_wire.py checks that every kind has one): `_received`'s
     # table once attached, and `wait_ready` before.
     HANDLERS: dict[str, Callable[..., None]] = {
         ToClient.EVENTS: _dispatch, ToClient.REPLY: _on_reply, ToClient.FAILED: _on_failed}

@@ -138,7 +138,7 @@ class EngineSide:
             result = self._store.put(key, value) if op == "put" else getattr(self._store, op)(key)
         self.send(ToClient.REPLY, call, result)
 
-    # Every ToEngine kind but STOP, which `serve` answers itself (tests/server/test_engine_wire.py checks).
+    # Every ToEngine kind but STOP, which `serve` answers itself (tests/server/process/test_engine_wire.py checks).
     HANDLERS: dict[str, Callable[..., None]] = {
         ToEngine.GENERATE: _on_generate, ToEngine.EMBED: _on_embed, ToEngine.CANCEL: _on_cancel,
         ToEngine.BACKLOG: _on_backlog, ToEngine.STATS: _on_stats, ToEngine.STORE: _on_store}

@@ -6,7 +6,7 @@ keeps responses for a fixed time after their creation too). Only the event loop 
 process, which holds the store that several HTTP processes share, its pipes' threads take a lock).
 
 The serving layer reads it through `StoredResponses` (awaited): this process's store (`LocalResponses`), or the
-engine process's (server/engine_process.py, `EngineResponses`) when several HTTP processes serve one engine.
+engine process's (server/process/client.py, `EngineResponses`) when several HTTP processes serve one engine.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`DeviceTokens`: a step's sampled tokens on the device, on their way to the host (async scheduling).
 
-With async scheduling (server/scheduler.py) the next step is launched before the host has this step's tokens: it
+With async scheduling (server/scheduling/scheduler.py) the next step is launched before the host has this step's tokens: it
 reads them on the device (engine.model.batch.TokenFeed), while their copy to pinned host memory runs behind this step's
 sampling on the same stream. Only plain greedy batches (sampling.is_plain_greedy) are sampled this way: their
 tokens are an argmax on the device, with no host state to update before the next step's sampling.

@@ -122,7 +122,7 @@ class Generation(Submission):
     arrival: float = field(default_factory=time.perf_counter)  # when the request came in, for the latency metrics
     loop: asyncio.AbstractEventLoop | None = field(default_factory=asyncio.get_running_loop)
     channel: asyncio.Queue[tuple[Generation, Event]] = field(default_factory=asyncio.Queue)
-    # Where the worker's events go instead of `channel` on `loop`: in the engine process (server/engine_process.py),
+    # Where the worker's events go instead of `channel` on `loop`: in the engine process (server/process/client.py),
     # the pipe to the HTTP process, which also says when the reader there is backlogged. None: in this process.
     sink: EventSink | None = None
     # Told of `cancel()`, on the canceller's thread: in the HTTP process, what forwards it to the engine process.

@@ -7,7 +7,7 @@ prefix cache), which gives each row's first draft token, then decodes the rows t
 forward pass per further drafted position. A greedy row drafts the draft's argmax; a sampled row draws its drafts
 from the draft's distribution processed by the row's own sampler (bias, penalties, temperature, top-k/p, min-p:
 `sampling_probs`), and hands that distribution on for the target's rejection sampling
-(server/speculative_sampling.py), which keeps the output exactly the target's either way.
+(server/speculative/rejection.py), which keeps the output exactly the target's either way.
 
 What the target rejects is rolled back in the draft's cache too, when the row next comes to propose.
 """

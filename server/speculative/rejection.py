@@ -2,7 +2,7 @@
 
 A speculating row drafted k tokens d1..dk after its last token; one target forward pass gave logits at k + 1
 positions (position i predicts the token after d1..di). Each position's distribution p_i is the sampler's own
-(server/sampling.py: logit bias, penalties as if d1..di had been generated, min_tokens suppression, temperature,
+(server/sampling/sampler.py: logit bias, penalties as if d1..di had been generated, min_tokens suppression, temperature,
 top-k, top-p, min-p), through `SequenceSampler.lookahead` views, so that no rule is written twice.
 
 - Draft token d_{i+1} is accepted with probability min(1, p_i(d) / q_i(d)), where q_i is the draft's distribution;

@@ -1,13 +1,13 @@
 """`Speculator`: which decoding rows speculate each step, how many tokens they draft, and the acceptance figures.
 
-The scheduler asks it for draft tokens before a step (prompt lookup, server/ngram.py, or a draft model,
-server/draft_model.py), verifies them in the step's one target forward pass (server/speculative_sampling.py), and
+The scheduler asks it for draft tokens before a step (prompt lookup, server/speculative/ngram.py, or a draft model,
+server/speculative/draft_model.py), verifies them in the step's one target forward pass (server/speculative/rejection.py), and
 tells it how many were accepted.
 
 Adaptive: each row keeps a moving average of the fraction of its drafts that were accepted. A row drafts
 k = ceil(K x that rate) tokens (so fewer when few are accepted), and one whose rate falls below the break-even rate
 stops speculating for a while, longer each time it fails again; text that does not copy its context then decodes
-as without speculation, but for an occasional probe. The break-even rate is measured (server/speculation_cost.py:
+as without speculation, but for an occasional probe. The break-even rate is measured (server/speculative/cost.py:
 what a drafted token costs against what a decoded one makes, per batch size), `PAUSE_BELOW` until it is; seeded
 sampled rows always use `PAUSE_BELOW`, since their output must not depend on timing. With `disable_by_batch_size`,
 no row speculates in a step of more decoding rows than that.
@@ -18,8 +18,8 @@ import logging
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
+from server.config.settings import SpeculativeMethod
 from server.speculative.draft_model import DraftModel
 from server.speculative.ngram import NgramIndex
 from server.sampling.sampler import SequenceSampler
@@ -27,7 +27,6 @@ from server.speculative.cost import StepCost
 from server.speculative.rejection import Proposal
 
 log = logging.getLogger("emberserve.speculative")
-SpeculativeMethod = Literal["ngram", "draft"]
 RATE_WEIGHT = 0.3  # weight of the latest step in a row's moving acceptance rate
 PAUSE_BELOW = 0.25  # a row whose rate falls below this stops speculating for a while (until measured)
 MIN_PAUSE_BELOW = 0.1  # the measured break-even rate, however low, is not trusted below this
@@ -42,7 +41,7 @@ class SpeculativeConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     disable_by_batch_size: int | None = None
-    measure: bool = True  # pause rows below the measured break-even rate (server/speculation_cost.py)
+    measure: bool = True  # pause rows below the measured break-even rate (server/speculative/cost.py)
 
 
 @dataclass

@@ -299,7 +299,7 @@ def test_dockerignore_keeps_the_context_small() -> None:
     for path in (".venv/bin/python", ".git/HEAD", "bench/out/x.json", "tests/data/quality_sample.txt",
                  "engine/__pycache__/loader.cpython-311.pyc", "emberserve.egg-info/PKG-INFO", "deploy/x.yaml"):
         assert dockerignored(path, rules), path
-    for path in ("pyproject.toml", "README.md", "engine/loader.py", "engine/weights/gguf.py", "server/cli.py"):
+    for path in ("pyproject.toml", "README.md", "engine/loader/build.py", "engine/weights/gguf.py", "server/launch/cli.py"):
         assert not dockerignored(path, rules), path
 
 

@@ -1,5 +1,5 @@
 """`--engine-process` on CPU: the model, its scheduler and workers in a child process, the HTTP server talking to
-it over a pipe (server/engine_process.py). Through real server processes and the official openai client: greedy
+it over a pipe (server/process/client.py). Through real server processes and the official openai client: greedy
 outputs (chat and completions, streamed and not, logprobs and prompt logprobs) and embeddings equal the one-process
 server's (the session `server`, same model and flags); a client that leaves frees everything in the engine;
 structured outputs and their 400s; /health and /metrics read the engine's figures; a killed engine fails its

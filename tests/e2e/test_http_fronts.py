@@ -1,4 +1,4 @@
-"""`--api-server-count 2`: two HTTP processes share the port in front of one engine process (server/http_fronts.py).
+"""`--api-server-count 2`: two HTTP processes share the port in front of one engine process (server/launch/http_fronts.py).
 Through real server processes: both processes answer requests, whose greedy outputs equal the one-process
 server's; /metrics counts every process's requests whichever process a scrape reaches; a stored response is
 found by every process (the engine process holds the store); SIGTERM drains all and leaves no process; a killed

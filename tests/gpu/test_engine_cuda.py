@@ -85,7 +85,7 @@ def test_graph_replay_equals_eager_steps(tinies, variant, dtype) -> None:
 @pytest.mark.parametrize("variant", ["llama_tied", "qwen3", "gemma3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_chunk_graphs_equal_eager_steps(tinies, variant, dtype) -> None:
-    """Prompt chunks replayed from their buckets' graphs (engine/chunk_graphs.py) against the same steps run
+    """Prompt chunks replayed from their buckets' graphs (engine/runtime/chunk_graphs.py) against the same steps run
     eagerly: two fresh prompts in one step (buckets 32 and 16), then decode steps of both with a third prompt
     joining, a fourth whose first block comes from the prefix cache (a chunk over cached blocks), past gemma3's
     window, and a speculative verification row (four drafts and the last token, every position's logits)."""

@@ -1,4 +1,4 @@
-"""engine/fused_kernels.py's Triton kernels compiled for a real GPU against the torch path (the ops the blocks run
+"""engine/kernels/fused.py's Triton kernels compiled for a real GPU against the torch path (the ops the blocks run
 today) at every served model's shapes and 1, 3, 8 and 128 rows; CUDA-graph capture; int64 cache offsets; and a
 timing print (not an assertion) of each fused kernel against the torch ops it replaces, both replayed from CUDA
 graphs.

@@ -1,4 +1,4 @@
-"""engine/gemv.py on CUDA (skipped without one; run on the GPU machine): the one-row kernel against an exact product
+"""engine/kernels/gemv.py on CUDA (skipped without one; run on the GPU machine): the one-row kernel against an exact product
 at the served models' layer shapes, replayed from a CUDA graph, and one-row `Linear` calls taking it."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""engine/paged_attention.py's Triton kernels compiled for a real GPU, at the shapes of the models we serve, against
+"""engine/kernels/paged_attention.py's Triton kernels compiled for a real GPU, at the shapes of the models we serve, against
 the float64 reference; plus CUDA-graph capture, int64 cache offsets and a timing print (not an assertion).
 
 Skipped without CUDA or Triton. `pytest -s tests/gpu/test_paged_attention_cuda.py` shows the timings.
@@ -173,7 +173,7 @@ def _random_pool(rows: int, length: int, heads: int, kv_heads: int, head_dim: in
 
 def test_timing_print(capsys):
     """Per-layer decode attention at 1024 keys, each replayed from a CUDA graph: the Triton kernel against today's
-    gather + float32 bmm (engine/layers.py's decode_attention)."""
+    gather + float32 bmm (engine/model/layers.py's decode_attention)."""
     lines = ["decode attention per layer, 1024 keys per row (bf16):",
              "| model | batch | triton us | GB/s of K+V | gather+bmm us |", "|---|---|---|---|---|"]
     for model in ("llama-1b", "qwen3-0.6b"):

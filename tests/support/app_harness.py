@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 
 from server.api.app import create_app
+from server.api.state import app_state
 from server.config.settings import Settings
 
 
@@ -19,10 +20,10 @@ def run_app(settings: Settings, scenario: Callable[[httpx.AsyncClient, Any], Awa
         app = create_app(settings)
         async with app.router.lifespan_context(app):
             for _ in range(500):
-                if app.state.model is not None:
+                if app_state(app).model is not None:
                     break
                 await asyncio.sleep(0.01)
-            assert app.state.model is not None, app.state.load_error
+            assert app_state(app).model is not None, app_state(app).load_error
             transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
             async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as http:
                 await scenario(http, app)

@@ -1,4 +1,4 @@
-"""Random problems for engine/fused_kernels.py at the shapes of the models we serve, shared by
+"""Random problems for engine/kernels/fused.py at the shapes of the models we serve, shared by
 tests/engine/kernels/test_fused_kernels.py (Triton's interpreter) and tests/gpu/test_fused_kernels_cuda.py (CUDA).
 
 A problem is the keyword arguments of one public call; the expected result is `engine.kernels.fused_torch` (the

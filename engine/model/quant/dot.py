@@ -4,7 +4,7 @@ The kernels are engine/kernels/csrc/int8_dot.cpp (AVX-512 VNNI); this module pac
 swaps them in for the linears of engine/model/quant/formats.py where they serve: a bfloat16 model on a CPU that has VNNI and the
 compiled kernels. The float32 path keeps torch's kernels, whose activations are not rounded to 8 bits, so that it
 stays the exact reference the tests hold the other paths to. Measured against torch's kernels in
-bench/matmul_formats.py; the quality guard (tests/engine/test_quantized.py) covers the activation rounding.
+bench/matmul_formats.py; the quality guard (tests/engine/model/quant/test_quantized.py) covers the activation rounding.
 """
 # No `from __future__ import annotations`: TorchScript reads the linears' annotations as types.
 from typing import Optional

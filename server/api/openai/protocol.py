@@ -8,6 +8,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 from server.config.presets import PresetName
 from server.sampling.sampler import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, logit_bias_entry
+from server.config.settings import SpeculativeMethod
 
 
 # Numbers OpenAI documents as limits.
@@ -453,7 +454,7 @@ class Health(BaseModel):
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
     preemptions: int
-    speculative: Literal["ngram", "draft"] | None = None  # speculative decoding in force, if any
+    speculative: SpeculativeMethod | None = None  # speculative decoding in force, if any
     spec_decode_num_drafts: int = 0  # sequence steps that verified drafted tokens
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0

@@ -32,8 +32,9 @@ DISCONNECT_POLL_S = 0.2
 STREAM_BACKLOG_PER_CHOICE = 256
 # A request's prompt work (its chat template, tokenizing) runs on the event loop when its body is at most this big:
 # for a small prompt the hop to a worker thread and back costs more than the work, and its GIL hand-offs slow
-# every stream the loop serves (bench/RESULTS.md, issue 13: bench/http_cost.py). A bigger body goes to the thread
-# pool, so that the loop serves the other requests meanwhile (the tokenizer runs there without the GIL).
+# every stream the loop serves (bench/http_cost.py; bench/RESULTS.md#issue-13-http-cost-host-side). A bigger body
+# goes to the thread pool, so that the loop serves the other requests meanwhile (the tokenizer runs there without
+# the GIL).
 INLINE_PROMPT_BYTES = 16384
 T = TypeVar("T")
 
@@ -102,7 +103,7 @@ class OpenAIServing:
 
     def defaults(self, req: OpenAIRequest) -> dict[str, Any]:
         """Values for the fields `req` leaves out: the model's generation defaults, under the server's preset,
-        under the request's (server/presets.py)."""
+        under the request's (server/config/presets.py)."""
         return layered_defaults(self.runner.generation_defaults, self.state.preset,
                                 PRESETS[req.preset] if req.preset is not None else None)
 

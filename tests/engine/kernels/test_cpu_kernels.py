@@ -1,4 +1,4 @@
-"""engine/cpu_kernels.py: the compiled CPU kernels against the torch path (the same contract as the Triton kernels:
+"""engine/kernels/cpu.py: the compiled CPU kernels against the torch path (the same contract as the Triton kernels:
 tests/support/fused_kernel_cases.py `check`), the paged decode kernel against the float64 reference, their refusals, the
 scripted calls, and the fallback ops when the library is turned off."""
 from __future__ import annotations

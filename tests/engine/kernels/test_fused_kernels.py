@@ -1,4 +1,4 @@
-"""engine/fused_kernels.py: the Triton kernels (run by Triton's CPU interpreter) against the torch path at the shapes
+"""engine/kernels/fused.py: the Triton kernels (run by Triton's CPU interpreter) against the torch path at the shapes
 of the models we serve (tests/support/fused_kernel_cases.py); the torch path against the decoder blocks' own ops; the
 public calls under TorchScript (the CPU stack is scripted).
 
@@ -127,7 +127,7 @@ def test_torch_norms_are_the_blocks_norms(doubled):
     assert torch.equal(got[0], fused_kernels_torch.rms_norm(sandwich, w, EPS, table))
 
 
-# The blocks call fused_kernels' rope_and_write_kv and gated_activation themselves (engine/layers.py), so the
+# The blocks call fused_kernels' rope_and_write_kv and gated_activation themselves (engine/model/layers.py), so the
 # torch path is the blocks' maths by construction; tests/engine/model/test_parity.py checks the blocks against
 # transformers.
 

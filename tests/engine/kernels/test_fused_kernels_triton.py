@@ -1,4 +1,4 @@
-"""engine/fused_kernels_triton.py compiled for the H200 (sm_90) here, without a GPU: at the shapes of the models we
+"""engine/kernels/fused_triton.py compiled for the H200 (sm_90) here, without a GPU: at the shapes of the models we
 serve and the launch parameters `engine.kernels.fused` picks, no kernel spills registers to local memory and the
 rows move in 16-byte vectors. Triton ships ptxas and cuobjdump, so only triton is needed.
 

@@ -1,4 +1,4 @@
-"""engine/gemv.py: the one-row Triton kernel (run by Triton's CPU interpreter) against an exact float64 product,
+"""engine/kernels/gemv.py: the one-row Triton kernel (run by Triton's CPU interpreter) against an exact float64 product,
 at tile-aligned and ragged shapes, with and without a bias; what it refuses; which calls take it.
 
 TRITON_INTERPRET=1 has to be set before the kernel is defined and must not leak into other tests, so the

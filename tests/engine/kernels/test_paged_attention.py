@@ -1,4 +1,4 @@
-"""engine/paged_attention.py: the Triton kernels (run by Triton's CPU interpreter) and the torch fallback, against
+"""engine/kernels/paged_attention.py: the Triton kernels (run by Triton's CPU interpreter) and the torch fallback, against
 the float64 reference on random paged problems (tests/support/paged_attention_cases.py).
 
 TRITON_INTERPRET=1 has to be set before the kernels are defined, and must not leak into other tests (nor into

@@ -1,4 +1,4 @@
-"""engine/paged_attention_triton.py compiled for the H200 (sm_90) here, without a GPU: at the shapes of the models
+"""engine/kernels/paged_attention_triton.py compiled for the H200 (sm_90) here, without a GPU: at the shapes of the models
 we serve and the launch parameters `engine.kernels.paged_attention` picks, no kernel spills registers to local memory and
 the key loops are software-pipelined (cp.async). Triton ships ptxas and cuobjdump, so only triton is needed.
 

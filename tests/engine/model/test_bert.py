@@ -1,4 +1,4 @@
-"""The BERT encoder (engine/models/bert.py) against transformers' BertModel on random tiny checkpoints: the last
+"""The BERT encoder (engine/model/bert.py) against transformers' BertModel on random tiny checkpoints: the last
 hidden states of sentences of different lengths batched together (padding masked), and their pooled embeddings.
 
 Tolerance: 1e-5 of the states' size. Two fp32 implementations differ by summation order only (~1e-6 here); a

@@ -1,4 +1,4 @@
-"""engine/layers.py's helpers: the row bucket and fixed-shape tiles deterministic steps rely on, the rope tables."""
+"""engine/model/layers.py's helpers: the row bucket and fixed-shape tiles deterministic steps rely on, the rope tables."""
 from __future__ import annotations
 
 import pytest

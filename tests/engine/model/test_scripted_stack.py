@@ -1,4 +1,4 @@
-"""The scripted decoder stack (engine/models/base.py) against the same modules run eagerly: bit-identical logits.
+"""The scripted decoder stack (engine/model/decoder.py) against the same modules run eagerly: bit-identical logits.
 
 Every tiny family in float32 (the exact path), bfloat16 with int4 and with int8 weights; decode steps with one row
 reading its keys in place, one row gathered from scattered blocks, several rows with masks, gemma3 past its

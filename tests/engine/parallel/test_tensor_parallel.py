@@ -32,7 +32,7 @@ FAMILIES = ["llama_tied", "qwen2", "qwen3", "gemma3"]  # one variant per family 
 @pytest.fixture(autouse=True)
 def cores_shared_with_the_ranks():
     """This process is rank 0: its torch threads and the other rank's share the cores, as the server shares them
-    (server/app.py); more threads than cores make each collective wait on descheduled ones."""
+    (server/api/app.py); more threads than cores make each collective wait on descheduled ones."""
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, threads // TP))
     yield

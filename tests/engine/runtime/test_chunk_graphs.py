@@ -1,4 +1,4 @@
-"""What CUDA-graph prompt chunks (engine/chunk_graphs.py) are made of, checked on CPU: the buckets, the static inputs
+"""What CUDA-graph prompt chunks (engine/runtime/chunk_graphs.py) are made of, checked on CPU: the buckets, the static inputs
 a chunk is filled with (which must give the chunk the logits and cache contents an ordinary step gives it, the
 padding writing only the spare slot), and how a step of decode rows and chunks puts the logits back in the rows'
 order. The capture and replay themselves run in tests/gpu/test_engine_cuda.py."""

@@ -1,4 +1,4 @@
-"""What CUDA-graph decode steps (engine/cuda_graphs.py) are made of, checked on CPU: the bucket choice, and the
+"""What CUDA-graph decode steps (engine/runtime/cuda_graphs.py) are made of, checked on CPU: the bucket choice, and the
 static inputs a bucket is filled with, which must give a step's rows the logits the ordinary step gives them (the
 padding rows writing only the spare slot). The capture and replay themselves run in tests/gpu/test_engine_cuda.py."""
 from __future__ import annotations

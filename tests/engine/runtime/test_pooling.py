@@ -1,4 +1,4 @@
-"""engine/pooling.py against a per-sequence loop, and the pooling read from sentence-transformers configs."""
+"""engine/runtime/pooling.py against a per-sequence loop, and the pooling read from sentence-transformers configs."""
 from __future__ import annotations
 
 import json

@@ -96,7 +96,7 @@ def test_bfloat16_runs_close_to_fp32(smollm: Runner) -> None:
     logits = bf16.prefill_logits(ids)
     assert bf16.dtype == torch.bfloat16 and logits.dtype == torch.float32
     assert int(logits.argmax()) == 7042
-    # int4 weights, and activations rounded to int8 per block of 32 where engine/quant_dot.py serves (the quality
+    # int4 weights, and activations rounded to int8 per block of 32 where engine/model/quant/dot.py serves (the quality
     # guard in test_quantized bounds what that costs over whole texts): within two logits of float32's
     assert (logits - smollm.prefill_logits(ids)).abs().max() < 2.0
 

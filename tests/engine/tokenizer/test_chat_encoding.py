@@ -1,4 +1,4 @@
-"""Chat prompts whose messages cannot write control tokens (engine/chat_encoding.py, through
+"""Chat prompts whose messages cannot write control tokens (engine/tokenizer/chat_encoding.py, through
 `Tokenizer.apply_chat_template`), for every family's tokenizer and template.
 
 The reference is the rule itself, by brute force: in the rendered text, special-token text outside the places the

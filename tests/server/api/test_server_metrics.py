@@ -1,4 +1,4 @@
-"""server/metrics.py's GenerationTrack (tests/e2e/test_metrics.py scrapes a real server's): what one generation's
+"""server/api/metrics.py's GenerationTrack (tests/e2e/test_metrics.py scrapes a real server's): what one generation's
 events add to the latency histograms and token counters."""
 from __future__ import annotations
 

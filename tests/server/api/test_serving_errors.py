@@ -18,7 +18,7 @@ import httpx2
 import openai
 import pytest
 
-import server.api.app as server_app
+import server.scheduling.loading as model_loading
 from server.api.state import app_state
 from engine import ContextLengthError, Runner
 from server.config.settings import Settings
@@ -49,7 +49,7 @@ class Failure:
 
 @pytest.fixture
 def failing(smollm: Runner, monkeypatch: pytest.MonkeyPatch) -> Callable[[Exception], Failure]:
-    monkeypatch.setattr(server_app, "load_runner", lambda *a, **k: smollm)
+    monkeypatch.setattr(model_loading, "load_runner", lambda *a, **k: smollm)
 
     def install(exc: Exception) -> Failure:
         failure = Failure(smollm, exc)

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-import server.api.app as server_app
+import server.scheduling.loading as model_loading
 from engine import KNOWN_MODELS, Runner
 from server.launch.cli import main
 from server.api.metrics import ServerMetrics
@@ -119,7 +119,7 @@ def run_app(settings: Settings, scenario: Callable[[httpx.AsyncClient], Awaitabl
 
 
 def test_a_server_started_with_a_preset_serves_its_values(smollm: Runner, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(server_app, "load_runner", lambda *a, **k: smollm)
+    monkeypatch.setattr(model_loading, "load_runner", lambda *a, **k: smollm)
     ref = Reference(smollm)
     expected = ref.text(ref.generate(ref.chat_ids(ASK), 8))  # before the worker owns the runner
 

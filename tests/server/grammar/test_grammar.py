@@ -1,4 +1,4 @@
-"""server/grammar.py: the vocabulary llguidance sees tokenizes bytes exactly, so a mask never allows a token that the
+"""server/grammar/compiler.py: the vocabulary llguidance sees tokenizes bytes exactly, so a mask never allows a token that the
 grammar then refuses — also for text the model's vocabulary cannot spell (the fuzzer's "grammar refused token")."""
 from __future__ import annotations
 

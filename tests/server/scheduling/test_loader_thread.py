@@ -1,4 +1,4 @@
-"""The model loads on a thread of its own that ends with the load (server/app.py `in_own_thread`).
+"""The model loads on a thread of its own that ends with the load (server/api/app.py `in_own_thread`).
 
 Why it matters: a thread that ran torch's parallel ops keeps its OpenMP team while it lives, and with more OpenMP
 threads alive than cores libgomp sleeps at every barrier instead of spinning, which slows one stream's decoding

@@ -120,7 +120,7 @@ def test_random_loads_with_shared_prefixes_always_finish(tiny_path: Path) -> Non
 
 
 def test_a_worker_steps_on_its_share_of_the_cpu_threads(tiny_path: Path) -> None:
-    """CPU workers split the cores (server/app.py): each sets its own intra-op threads on its own thread."""
+    """CPU workers split the cores (server/api/app.py): each sets its own intra-op threads on its own thread."""
     import torch
 
     from server.scheduling.worker import Worker

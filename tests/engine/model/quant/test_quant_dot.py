@@ -1,4 +1,4 @@
-"""engine/quant_dot.py and its kernels (engine/csrc/int8_dot.cpp) against a brute-force model of their rule.
+"""engine/model/quant/dot.py and its kernels (engine/kernels/csrc/int8_dot.cpp) against a brute-force model of their rule.
 
 The rule: each row of activations is cut into blocks of 32 inputs, a block is rounded to int8 codes, round(x * (127 / max|x|))
 in float32 (half to even), with the scale max|x| / 127, each output is the sum over blocks of scale * (integer dot product of the codes

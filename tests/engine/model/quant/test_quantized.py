@@ -39,7 +39,7 @@ INT4_LINEARS = (Int4Linear, Int4DotLinear)  # torch's kernel's layout, and the d
 # Quality bounds (measured values: bench/RESULTS.md#issue-17-quality,
 # bench/RESULTS.md#issue-5-engine-weight-formats; `python bench/quality.py`): the fraction of positions whose
 # argmax equals float32's, and the perplexity relative to float32's on the same texts, through the packed kernels
-# (what decode runs). Activations rounded to int8 (engine/quant_dot.py, as llama.cpp) cost a little agreement
+# (what decode runs). Activations rounded to int8 (engine/model/quant/dot.py, as llama.cpp) cost a little agreement
 # against torch's kernels.
 QUALITY_BOUNDS = {  # (model, quant): (min top-1 agreement, max perplexity ratio)
     ("smollm2-135m", "int4"): (0.94, 1.03),
@@ -300,7 +300,7 @@ def _reference_scores(request, model: str) -> tuple[list[list[int]], list[TextSc
 def test_quality_guard(request, model: str, quant: str) -> None:
     texts, want = _reference_scores(request, model)
     # Without dense copies every position runs the packed kernels a decode step runs (activations rounded to 8 bits
-    # where engine/quant_dot.py serves), the lossier of the two paths; the dense copies are bfloat16 matmuls.
+    # where engine/model/quant/dot.py serves), the lossier of the two paths; the dense copies are bfloat16 matmuls.
     candidate = load_runner(model, quant=quant, dense_prefill=False)
     assert candidate.dtype == torch.bfloat16
     agreement = quality_agreement([score_text(candidate, ids) for ids in texts], want)

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-import server.api.app as server_app
+import server.scheduling.loading as model_loading
 from engine import Runner
 from server.config.settings import Settings
 from tests.support import app_harness
@@ -24,7 +24,7 @@ def run_app(settings: Settings, scenario: Callable[[httpx.AsyncClient], Awaitabl
 
 @pytest.fixture
 def patched(smollm: Runner, monkeypatch: pytest.MonkeyPatch) -> Runner:
-    monkeypatch.setattr(server_app, "load_runner", lambda *a, **k: smollm)
+    monkeypatch.setattr(model_loading, "load_runner", lambda *a, **k: smollm)
     return smollm
 
 
