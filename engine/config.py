@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, get_args
 
 from engine.errors import UnsupportedModelError
+
+# Weight quantization modes (`load_runner(quant=...)`, the server's --quant).
+QuantMode = Literal["none", "int8", "int4"]
+QUANT_MODES: tuple[str, ...] = get_args(QuantMode)
+# Prompt chunks one step may run as graph replays: past a few, one eager pass over all of them costs less than a
+# replay each (every replay reads the weights). The server's GPU defaults stop speculating past this many drafters.
+MAX_CHUNKS = 4
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
 _HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3", "gemma3": "gemma3"}

@@ -28,12 +28,11 @@ import torch
 from engine.model.batch import DENSE_MIN_ROWS, ForwardBatch, StepRow, TokenFeed
 from engine.runtime.cuda_graphs import DecodeGraphs, bucket_of, capture_buckets, is_decode_row
 from engine.cache.kv_cache import PagedKVCache
+from engine.config import MAX_CHUNKS
 
 log = logging.getLogger("emberserve.engine")
 
 CHUNK_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
-# Past a few chunks one eager pass over all of them costs less than a replay each (every replay reads the weights).
-MAX_CHUNKS = 4
 ALL_LOGITS_TOKENS = 32
 _HEAD = 3  # ids, positions, slots: one column of `tokens` each
 

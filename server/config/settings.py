@@ -13,8 +13,7 @@ from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_v
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from engine.runtime.chunk_graphs import MAX_CHUNKS
-from engine.model.quant.formats import QuantMode
+from engine.config import MAX_CHUNKS, QuantMode
 from engine.kernels.switches import KernelSwitches
 from engine.registry import DEFAULT_MODEL
 

@@ -7,13 +7,14 @@ The formats and the CPU modules are in `formats`; `dot` has the integer-dot-prod
 import torch
 
 from engine.model.quant import cuda as quant_cuda, dot as quant_dot
-from engine.model.quant.formats import (GROUP_SIZE, QUANT_MODES, QuantMode, Affine4Bit, Int4Linear, Int8Embedding, Int8Linear,
+from engine.config import QUANT_MODES, QuantMode
+from engine.model.quant.formats import (GROUP_SIZE, Affine4Bit, Int4Linear, Int8Embedding, Int8Linear,
                                         PackedLinear, dense_copy_bytes, int4_matmul, int4_supported,
                                         kernel_dense_weights, quantize_4bit, quantize_int8)
 
-__all__ = ["GROUP_SIZE", "QUANT_MODES", "QuantMode", "Affine4Bit", "Int4Linear", "Int8Embedding", "Int8Linear", "PackedLinear",
-           "dense_copy_bytes", "int4_matmul", "int4_supported", "kernel_dense_weights", "quantize_4bit", "quantize_int8",
-           "quantized_linear"]
+__all__ = ["GROUP_SIZE", "QUANT_MODES", "QuantMode", "Affine4Bit", "Int4Linear", "Int8Embedding", "Int8Linear",
+           "PackedLinear", "dense_copy_bytes", "int4_matmul", "int4_supported", "kernel_dense_weights", "quantize_4bit",
+           "quantize_int8", "quantized_linear"]
 
 
 def quantized_linear(weight: torch.Tensor | Affine4Bit, bias: torch.Tensor | None, mode: str,

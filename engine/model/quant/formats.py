@@ -6,7 +6,7 @@ quantized round-to-nearest here. The linears are scripted with the rest of the d
 """
 # No `from __future__ import annotations`: TorchScript reads the linears' annotations as types.
 from dataclasses import dataclass
-from typing import List, Literal, Optional, get_args
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -16,8 +16,6 @@ from engine.model.layers import DENSE_ROW_BUCKET, dense_matmul
 
 GROUP_SIZE = 32          # input elements sharing one int4 scale/offset (ggml's block and sub-block size)
 _INT4_ROW_MULTIPLE = 16  # the int4 CPU kernel packs output rows in tiles of 16
-QuantMode = Literal["none", "int8", "int4"]
-QUANT_MODES: tuple[str, ...] = get_args(QuantMode)
 
 
 @dataclass

@@ -3,6 +3,8 @@ start-up progress bar."""
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -159,3 +161,12 @@ def test_malloc_arenas_are_capped_on_glibc() -> None:
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("not glibc")
     assert cap_malloc_arenas() is True
+
+
+def test_the_settings_module_loads_neither_torch_nor_the_runner() -> None:
+    """`import server.config.settings` (the CLI's flags, `--help`, a settings check) stays light: the engine's public
+    names load on first use."""
+    code = "import sys, server.config.settings; print('torch' in sys.modules, 'engine.runtime.runner' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=README.parent)
+    assert done.stdout.split() == ["False", "False"], done.stderr[-2000:]
