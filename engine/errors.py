@@ -1,4 +1,7 @@
 """Errors the engine raises with a message meant for the user."""
+from __future__ import annotations
+
+from dataclasses import dataclass
 
 
 class EngineError(Exception):
@@ -21,9 +24,24 @@ class ContextLengthError(EngineError, ValueError):
     """A sequence would grow past the runner's context size."""
 
 
+@dataclass(frozen=True)
+class RowRefusal:
+    """Why a row cannot run: the message, and a code the server reports with it as data
+    (`CONTEXT_LENGTH_EXCEEDED` for a sequence past the context; None for a row that is the caller's mistake)."""
+
+    message: str
+    code: str | None = None
+
+    def __str__(self) -> str:
+        return self.message
+
+
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
 class RowError(EngineError, ValueError):
     """Rows of a batched step that cannot run, by their index in the step (index -> why); nothing was changed."""
 
-    def __init__(self, errors: dict[int, str]) -> None:
-        super().__init__("; ".join(f"row {i}: {message}" for i, message in sorted(errors.items())))
+    def __init__(self, errors: dict[int, RowRefusal]) -> None:
+        super().__init__("; ".join(f"row {i}: {refusal}" for i, refusal in sorted(errors.items())))
         self.errors = errors

@@ -24,7 +24,7 @@ from engine.cache.block_manager import BlockManager, KVSequence
 from engine.runtime.chunk_graphs import CHUNK_BUCKETS, ChunkGraphs, GraphStep
 from engine.runtime.cuda_graphs import DecodeGraphs, table_width
 from engine.config import EncoderConfig, ModelConfig
-from engine.errors import ContextLengthError, EngineError, RowError
+from engine.errors import CONTEXT_LENGTH_EXCEEDED, ContextLengthError, EngineError, RowError, RowRefusal
 from engine.cache.kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
 from engine.kernels.cpu import chunk_attention_kernel
 from engine.model.layers import CPU_PAGED_DECODE
@@ -194,17 +194,18 @@ class Runner:
             except queue.Empty:
                 return
 
-    def row_error(self, seq: KVSequence, start: int, end: int) -> str | None:
+    def row_error(self, seq: KVSequence, start: int, end: int) -> RowRefusal | None:
         """Why computing tokens [start, end) of `seq` cannot run (not where the sequence continues, or past the
         context), or None."""
         if start != seq.num_computed or not start < end <= len(seq.tokens):
-            return (f"row [{start}, {end}) does not continue a sequence of {seq.num_computed} computed of "
-                    f"{len(seq.tokens)} tokens")
+            return RowRefusal(f"row [{start}, {end}) does not continue a sequence of {seq.num_computed} computed of "
+                              f"{len(seq.tokens)} tokens")
         if end > self.context_size:
-            return f"sequence of {end} tokens exceeds the context size of {self.context_size} tokens"
+            return RowRefusal(f"sequence of {end} tokens exceeds the context size of {self.context_size} tokens",
+                              CONTEXT_LENGTH_EXCEEDED)
         return None
 
-    def row_errors(self, rows: Sequence[StepRow]) -> dict[int, str]:
+    def row_errors(self, rows: Sequence[StepRow]) -> dict[int, RowRefusal]:
         """`row_error` of every row that cannot run, by index."""
         return {i: error for i, (seq, start, end, _) in enumerate(rows)
                 if (error := self.row_error(seq, start, end)) is not None}

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from server.api.openai.tool_calls import ToolPlan
-from server.api.tool_parser import ToolCallDelta, new_call_id
+from server.api.tool_parser import ToolCallFragment, new_call_id
 
 __all__ = ["BlockEvent", "OutputBlock", "OutputBlocks", "call_input"]
 
@@ -104,7 +104,7 @@ class OutputBlocks:
             self._add(self._held + content, events)
             self._held = ""
 
-    def _calls(self, deltas: list[ToolCallDelta], events: list[BlockEvent]) -> None:
+    def _calls(self, deltas: list[ToolCallFragment], events: list[BlockEvent]) -> None:
         for d in deltas:
             if d.id is not None:  # a call's first delta
                 self._start(OutputBlock("call", call_id=d.id, name=d.name or ""), events)

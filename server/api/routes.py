@@ -48,7 +48,7 @@ def _state_for(request: Request, model: str | None) -> ModelState:
 
 
 def _card(state: ModelState) -> ModelCard:
-    return ModelCard(id=state.model_id, created=state.created, max_model_len=state.runner.context_size)
+    return ModelCard(id=state.model_id, created=state.created, max_model_len=state.model.context_size)
 
 
 def _unavailable(status: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -76,11 +76,11 @@ async def health(request: Request) -> Health | JSONResponse:
     if failure is not None:
         return JSONResponse(HealthUnavailable(status="unhealthy", error=failure).model_dump(exclude_none=True),
                             status_code=503)
-    runner = state.runner
+    model = state.model
     await state.pool.refresh_stats()
-    return Health(status="ok", model=state.model_id, device=str(runner.device),
-                  dtype=str(runner.dtype).removeprefix("torch."), quant=runner.quant,
-                  deterministic=runner.deterministic, **asdict(state.pool.stats()))
+    return Health(status="ok", model=state.model_id, device=str(model.device),
+                  dtype=str(model.dtype).removeprefix("torch."), quant=model.quant,
+                  deterministic=model.deterministic, **asdict(state.pool.stats()))
 
 
 @router.get("/metrics", response_class=Response,
@@ -176,12 +176,12 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     if body.messages is not None:
         ids = await prompt_work(chat_prompt_ids, state, body.messages, body.add_generation_prompt)
     else:
-        ids = await prompt_work(state.runner.tokenizer.encode, body.prompt, body.add_special_tokens)
-    return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=state.runner.context_size)
+        ids = await prompt_work(state.model.tokenizer.encode, body.prompt, body.add_special_tokens)
+    return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=state.model.context_size)
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse, responses=_UTILITY_ERRORS)
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     state = _state_for(request, body.model)
-    check_token_ids(body.tokens, state.runner.vocab_size, "tokens")
-    return DetokenizeResponse(prompt=await prompt_work(state.runner.tokenizer.decode, body.tokens))
+    check_token_ids(body.tokens, state.model.vocab_size, "tokens")
+    return DetokenizeResponse(prompt=await prompt_work(state.model.tokenizer.decode, body.tokens))

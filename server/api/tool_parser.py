@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["ParsedCall", "ToolCallDelta", "ToolCallParser", "ToolFormatName", "new_call_id"]
+__all__ = ["ParsedCall", "ToolCallFragment", "ToolCallParser", "ToolFormatName", "new_call_id"]
 
 ToolFormatName = Literal["hermes", "llama3", "generic"]
 Path = tuple[str | int, ...]
@@ -33,7 +33,7 @@ def new_call_id() -> str:
 
 
 @dataclass
-class ToolCallDelta:
+class ToolCallFragment:
     index: int
     arguments: str
     id: str | None = None    # first delta of a call only
@@ -185,7 +185,7 @@ class ToolCallParser:
         self._mode = "text" if fmt == "hermes" else "undecided"
         self._held = ""  # text that may begin the start marker, whitespace after a call, leading whitespace
 
-    def push(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+    def push(self, text: str) -> tuple[str, list[ToolCallFragment]]:
         """The content and the call deltas that `text`, the next piece of the output, completes."""
         content: list[str] = []
         for ch in text:
@@ -194,7 +194,7 @@ class ToolCallParser:
         self.content += out
         return out, self._deltas(final=False)
 
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+    def finish(self) -> tuple[str, list[ToolCallFragment]]:
         """The end of the output: text held back as a possible marker start is content after all."""
         out = ""
         if self._mode in ("text", "undecided") or (self._mode == "after" and self._held.strip()):
@@ -297,7 +297,7 @@ class ToolCallParser:
             return path[1], path[2:]
         return None
 
-    def _deltas(self, final: bool) -> list[ToolCallDelta]:
+    def _deltas(self, final: bool) -> list[ToolCallFragment]:
         """A call's first delta once its name is complete (or the output ended), then its new argument text."""
         deltas = []
         for index in sorted(self._states):
@@ -309,7 +309,7 @@ class ToolCallParser:
             state.call.arguments += fragment
             if not state.sent:
                 state.sent = True
-                deltas.append(ToolCallDelta(index, fragment, id=state.call.id, name=state.call.name))
+                deltas.append(ToolCallFragment(index, fragment, id=state.call.id, name=state.call.name))
             elif fragment:
-                deltas.append(ToolCallDelta(index, fragment))
+                deltas.append(ToolCallFragment(index, fragment))
         return deltas

@@ -79,19 +79,19 @@ class Generator:
 
     @property
     def device(self) -> str:
-        return str(self.state.runner.device)
+        return str(self.state.model.device)
 
     @property
     def context_size(self) -> int:
-        return self.state.runner.context_size
+        return self.state.model.context_size
 
     @property
     def vocab_size(self) -> int:
-        return self.state.runner.vocab_size
+        return self.state.model.vocab_size
 
     @property
     def tokenizer(self) -> Any:
-        return self.state.runner.tokenizer
+        return self.state.model.tokenizer
 
     @property
     def generation_config(self) -> GenerationConfig:

@@ -15,7 +15,6 @@ from typing import Any
 
 from server.scheduling.embedding_jobs import EmbeddingJob
 from server.process.wire import ToClient, ToEngine, encode_event, is_final
-from server.scheduling.model_state import ServedModel
 from server.errors import APIError
 from server.scheduling.generation import Generation, GenerationFailed, Submission
 from server.grammar.compiler import GrammarCompiler, StructuredOutputError
@@ -204,7 +203,7 @@ def serve_engine(conns: list[Connection], settings: Settings) -> None:
         log.debug("the model did not load", exc_info=e)
         main.send(ToClient.LOAD_FAILED, str(e))
         return
-    main.send(ToClient.READY, ServedModel.of(state.runner))
+    main.send(ToClient.READY, state.model)
 
     serve_pipes(state, main, fronts)
 

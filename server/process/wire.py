@@ -15,7 +15,7 @@ from enum import StrEnum
 from typing import Any
 
 from server.scheduling.embedding_jobs import EmbeddingJob
-from server.scheduling.generation import ChoiceDelta, Generation, PromptLogprobs, TokenLogprob
+from server.scheduling.generation import ChoiceDelta, Generation, PromptLogprobs, PositionLogprobs
 
 
 class ToEngine(StrEnum):
@@ -59,7 +59,7 @@ def decode_event(item: Any) -> Any:
         return item
     index, text, tokens, logprobs, finish, stop, at = item
     if logprobs is not None:
-        logprobs = [TokenLogprob(token, logprob, top) for token, logprob, top in logprobs]
+        logprobs = [PositionLogprobs(token, logprob, top) for token, logprob, top in logprobs]
     return ChoiceDelta(index, text, tokens, logprobs, finish, stop, at)
 
 

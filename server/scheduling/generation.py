@@ -13,7 +13,7 @@ from server.sampling.sampler import SamplingParams
 
 
 @dataclass(frozen=True)
-class TokenLogprob:
+class PositionLogprobs:
     """A token's logprob under the model and the most likely alternatives at its position."""
 
     token: int
@@ -28,7 +28,7 @@ class ChoiceDelta:
     index: int
     text: str
     tokens: list[int]
-    logprobs: list[TokenLogprob] | None = None
+    logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # with finish "stop": the stop string or end-token id that ended it
     at: float = field(default_factory=time.perf_counter)  # when the worker made these tokens (latency metrics)
@@ -48,7 +48,7 @@ def merged(deltas: list[ChoiceDelta]) -> ChoiceDelta:
 class PromptLogprobs:
     """Logprobs of the prompt tokens (the first has none), for `echo` with `logprobs`."""
 
-    entries: list[TokenLogprob | None]
+    entries: list[PositionLogprobs | None]
 
 
 @dataclass(frozen=True)

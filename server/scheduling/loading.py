@@ -119,7 +119,8 @@ def start_serving(settings: Settings, runners: list[Runner], on_worker_failure: 
 
 def model_state(settings: Settings, runner: Runner | ServedModel, pool: Pool,
                 prepare_grammars: bool = True) -> ModelState:
-    """The served model's state over its pool: in this process, or the engine process's (`runner` then its facts)."""
+    """The served model's state over its pool: in this process (`runner`), or the engine process's (its facts)."""
+    served = runner if isinstance(runner, ServedModel) else ServedModel.of(runner)
     model_id = settings.served_model_name or runner.name
     digest = hashlib.sha256(f"{__version__}:{model_id}:{runner.dtype}:{runner.quant}:{runner.device}:"
                             f"{runner.deterministic}".encode()).hexdigest()[:10]
@@ -129,7 +130,7 @@ def model_state(settings: Settings, runner: Runner | ServedModel, pool: Pool,
         # bench/RESULTS.md#issue-14-grammar-engines) is built beside serving, not on the first structured request;
         # that request waits for it only if it comes first.
         threading.Thread(target=grammars.vocabulary, name="grammar-vocabulary", daemon=True).start()
-    return ModelState(model_id=model_id, runner=runner, pool=pool, fingerprint=f"fp_{digest}",
+    return ModelState(model_id=model_id, model=served, pool=pool, fingerprint=f"fp_{digest}",
                       created=int(time.time()), max_prompt_tokens=settings.max_prompt_tokens,
                       stream_timeout=settings.stream_timeout, stream_interval=settings.stream_interval,
                       parse_special_in_messages=settings.parse_special_in_messages, grammars=grammars,
@@ -147,7 +148,7 @@ def load_model(settings: Settings, on_worker_failure: Callable[[Worker], None] |
     runners = [load_worker_runner(settings, i, progress) for i in range(settings.workers)]
     speculators = [load_speculator(settings, r, worker_device(settings, i), progress) for i, r in enumerate(runners)]
     state = start_serving(settings, runners, on_worker_failure, prepare_grammars, speculators)
-    runner, threads = state.runner, state.pool.workers[0].threads
+    runner, threads = runners[0], state.pool.workers[0].threads
     dense = dense_copy_bytes(runner.model)
     log.info("loaded %s (%s, %s activations, %s weights%s on %s, %d threads, context %d%s) "
              "in %.1fs", state.model_id, runner.family, str(runner.dtype).removeprefix("torch."),

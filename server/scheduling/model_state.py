@@ -8,7 +8,6 @@ from typing import Any, Protocol
 
 import torch
 
-from engine import Runner
 from engine.tokenizer.tokenizer import Tokenizer
 
 from server.config.presets import Preset
@@ -75,7 +74,7 @@ class CacheLayout:
 
 @dataclass(frozen=True)
 class ServedModel:
-    """What the HTTP side reads of the first worker's runner (`ModelState.runner` in the HTTP process)."""
+    """What the HTTP side reads of the first worker's runner (`ModelState.model`: in the engine process mode all the HTTP process has)."""
 
     name: str
     family: str
@@ -104,7 +103,7 @@ class ModelState:
     """The served model: its id, runner and worker."""
 
     model_id: str
-    runner: Runner | ServedModel  # the first worker's runner (the engine process's: its facts)
+    model: ServedModel  # the served model's facts (all the HTTP side has of an engine in another process)
     pool: Pool
     fingerprint: str
     created: int

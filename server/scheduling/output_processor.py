@@ -12,7 +12,7 @@ from engine.model.batch import StepRow
 
 from server.sampling.logprobs import token_logprobs
 from server.scheduling.generation import (ChoiceDelta, EventBatch, Generation, GenerationDone, PromptLogprobs,
-    TokenLogprob)
+    PositionLogprobs)
 from server.scheduling.sequence import GenerationState, HeldOutput, SequenceState
 
 log = logging.getLogger("emberserve.scheduler")
@@ -60,7 +60,7 @@ class OutputProcessor:
             if seq.matcher.is_stopped:  # the output is complete: nothing but an end token could follow
                 end = stopper.end()
                 text, finish = text + end.text, end.finish_reason
-        entry = TokenLogprob(token, logprob, top or []) if seq.wants_logprobs else None
+        entry = PositionLogprobs(token, logprob, top or []) if seq.wants_logprobs else None
         interval = gen.stream_interval or self.interval
         held = seq.held
         if finish is None and interval > 1 and len(held.tokens) + 1 < interval and stopper.num_tokens > 1:
@@ -101,7 +101,7 @@ class OutputProcessor:
         ids = torch.tensor(targets, dtype=torch.long, device=logits.device)
         chosen, top = token_logprobs(logits[:len(targets)], ids, top_n)
         for i, token in enumerate(targets):
-            seq.prompt_logprobs.append(TokenLogprob(token, chosen[i], top[i]))
+            seq.prompt_logprobs.append(PositionLogprobs(token, chosen[i], top[i]))
 
     def prompt_done(self, seq: SequenceState) -> None:
         """The prompt is computed: its logprobs go out, where asked for (echo)."""

@@ -24,7 +24,7 @@ import torch
 from engine import Runner
 from engine.model.batch import StepRow, TokenFeed
 from engine.cache.block_manager import PENDING_TOKEN, KVSequence
-from engine.errors import RowError
+from engine.errors import RowError, RowRefusal
 
 from server.sampling.device_tokens import DeviceTokens, TokenLanding, sample_greedy_on_device
 from server.scheduling.drafting import draft_check, observe_decode_step, propose_drafts
@@ -188,9 +188,9 @@ class Scheduler:
             self._refuse(seq, error)
         return error is not None
 
-    def _refuse(self, seq: SequenceState, error: str) -> None:
-        log.warning("%s: %s", seq.gen.request_id, error)
-        self.fail([seq.gen], 400, error, "context_length_exceeded" if "context" in error else None)
+    def _refuse(self, seq: SequenceState, refusal: RowRefusal) -> None:
+        log.warning("%s: %s", seq.gen.request_id, refusal.message)
+        self.fail([seq.gen], 400, refusal.message, refusal.code)
 
     def _schedule(self) -> list[SequenceState]:
         """Pick this step's sequences and give each the blocks it needs; one computes min(pending, budget) tokens."""
@@ -310,9 +310,9 @@ class Scheduler:
             try:
                 return seqs, rows, self.runner.step(rows) if feed is None else self.runner.step(rows, feed)
             except RowError as e:  # what _refused did not foresee: fail those rows, run the rest
-                for i, message in sorted(e.errors.items()):
-                    log.warning("%s: %s", seqs[i].gen.request_id, message)
-                    self.fail([seqs[i].gen], 400, message)
+                for i, refusal in sorted(e.errors.items()):
+                    log.warning("%s: %s", seqs[i].gen.request_id, refusal.message)
+                    self.fail([seqs[i].gen], 400, refusal.message, refusal.code)
                 seqs = [u for u in seqs if u.gen in self._gens]
         return None
 

@@ -8,7 +8,7 @@ from engine.cache.block_manager import KVSequence
 
 from server.grammar.compiler import GrammarMatcher
 from server.sampling.sampler import SequenceSampler
-from server.scheduling.generation import ChoiceDelta, Generation, TokenLogprob
+from server.scheduling.generation import ChoiceDelta, Generation, PositionLogprobs
 from server.scheduling.stopping import StopChecker
 
 
@@ -19,7 +19,7 @@ class HeldOutput:
 
     text: list[str] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
     at: float = 0.0  # when its last token was made
 
     def delta(self, choice: int | None, logprobs: bool) -> ChoiceDelta:
@@ -39,7 +39,7 @@ class SequenceState:
     # The choice's place in its grammar (gen.grammar); it moves with the sequence through preemption, which keeps
     # the generated tokens too.
     matcher: GrammarMatcher | None = None
-    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
     held: HeldOutput = field(default_factory=HeldOutput)
     # Out of the batch for good (its blocks freed): a row of it in a step already launched is dropped.
     finished: bool = False

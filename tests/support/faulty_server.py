@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 
+from engine.errors import RowRefusal
 from engine.runtime.runner import Runner
 from server.launch.cli import main
 
@@ -41,7 +42,7 @@ def _step(self: Runner, rows):
 
 def _row_error(self: Runner, seq, start: int, end: int):
     if "FAULT_ROW" in _text(self, seq.tokens):
-        return "planted: the runner refuses this row"
+        return RowRefusal("planted: the runner refuses this row")
     return _real_row_error(self, seq, start, end)
 
 

@@ -9,14 +9,14 @@ from typing import Any
 from fastapi import Request
 
 from server.errors import APIError, invalid
-from server.scheduling.generation import ChoiceDelta, Generation, GenerationDone, TokenLogprob
+from server.scheduling.generation import ChoiceDelta, Generation, GenerationDone, PositionLogprobs
 from server.api.openai.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
-    FunctionCall, ResponseMessage, TokenLogprob as TokenLogprobModel, ToolCall)
+    FunctionCall, ResponseMessage, TokenLogprob, ToolCall)
 from server.api.openai.serving import OpenAIServing, cancel, prompt_work, request_id
 from server.api.sse import DONE, event_json, sse_response
 from server.api.openai.preparation import OutputPlan, chat_prompt_ids
 from server.api.openai.tool_calls import ToolPlan
-from server.api.tool_parser import ToolCallDelta, ToolCallParser
+from server.api.tool_parser import ToolCallFragment, ToolCallParser
 
 
 def finish_reason(reason: str | None, parser: ToolCallParser | None) -> str | None:
@@ -24,7 +24,7 @@ def finish_reason(reason: str | None, parser: ToolCallParser | None) -> str | No
     return "tool_calls" if reason == "stop" and parser is not None and parser.calls else reason
 
 
-def tool_call_deltas(deltas: list[ToolCallDelta]) -> list[dict[str, Any]]:
+def tool_call_deltas(deltas: list[ToolCallFragment]) -> list[dict[str, Any]]:
     """OpenAI's `delta.tool_calls`: id, type and name in a call's first delta, argument fragments after."""
     out = []
     for d in deltas:
@@ -60,19 +60,19 @@ class ChatServing(OpenAIServing):
                                 send_timeout=self.state.stream_timeout)
         return await self._complete(gen, req, request, calls)
 
-    def _logprobs(self, entries: list[TokenLogprob]) -> list[TokenLogprobModel]:
+    def _logprobs(self, entries: list[PositionLogprobs]) -> list[TokenLogprob]:
         out = []
         for e in entries:
             top = [self.top_logprob(t, lp) for t, lp in e.top]
             base = self.top_logprob(e.token, e.logprob)
-            out.append(TokenLogprobModel(token=base.token, logprob=base.logprob, bytes=base.bytes, top_logprobs=top))
+            out.append(TokenLogprob(token=base.token, logprob=base.logprob, bytes=base.bytes, top_logprobs=top))
         return out
 
     async def _complete(self, gen: Generation, req: ChatCompletionRequest, request: Request,
                         tools: ToolPlan | None) -> ChatCompletionResponse:
         texts = [""] * gen.n
         finish: list[str | None] = [None] * gen.n
-        logprobs: list[list[TokenLogprob]] = [[] for _ in range(gen.n)]
+        logprobs: list[list[PositionLogprobs]] = [[] for _ in range(gen.n)]
         usage = None
         async with aclosing(self.events([gen], request)) as events:
             async for _, event in events:
@@ -119,7 +119,7 @@ class ChatServing(OpenAIServing):
                 body["usage"] = usage if last else None
             return event_json(body)
 
-        def choice(index: int, delta: dict[str, Any], pending: list[TokenLogprob] | None = None,
+        def choice(index: int, delta: dict[str, Any], pending: list[PositionLogprobs] | None = None,
                    finish_reason: str | None = None) -> dict[str, Any]:
             lp = None
             if want_logprobs and pending is not None:

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import Request
 
 from server.errors import APIError, invalid
-from server.scheduling.generation import ChoiceDelta, Generation, GenerationDone, PromptLogprobs, TokenLogprob
+from server.scheduling.generation import ChoiceDelta, Generation, GenerationDone, PromptLogprobs, PositionLogprobs
 from server.api.openai.preparation import OutputPlan
 from server.api.openai.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from server.api.openai.serving import OpenAIServing, cancel, check_token_ids, prompt_work, reported_logprob, request_id
@@ -34,7 +34,7 @@ class _LogprobsBuilder:
     top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
     text_offset: list[int] = field(default_factory=list)
 
-    def add(self, entry: TokenLogprob | None, token: int) -> None:
+    def add(self, entry: PositionLogprobs | None, token: int) -> None:
         text = self.serving.token_text(token)
         self.tokens.append(text)
         self.text_offset.append(self.offset)
@@ -93,12 +93,12 @@ class CompletionServing(OpenAIServing):
             if isinstance(item, str):
                 prompts.append(_Prompt(self.tokenizer.encode(item), item))
                 continue
-            check_token_ids(item, self.runner.vocab_size, "prompt")
+            check_token_ids(item, self.model.vocab_size, "prompt")
             prompts.append(_Prompt(list(item), self.tokenizer.decode(item) if req.echo else ""))  # text: for echo
         return prompts
 
     def _choice_start(self, prompt: _Prompt, echo: bool, builder: _LogprobsBuilder | None,
-                      prompt_lp: list[TokenLogprob | None] | None) -> str:
+                      prompt_lp: list[PositionLogprobs | None] | None) -> str:
         """The echoed prompt text (and its logprobs into `builder`) that opens each choice."""
         if not echo:
             return ""

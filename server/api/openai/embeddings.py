@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from fastapi import Request
 from fastapi.responses import Response
 
+from engine.errors import CONTEXT_LENGTH_EXCEEDED
+
 from server.scheduling.embedding_jobs import EmbeddingJob, EmbeddingsDone
 from server.errors import APIError, invalid
 from server.scheduling.generation import GenerationFailed
@@ -43,8 +45,8 @@ class EmbeddingServing:
 
     def __init__(self, state: ModelState, metrics: ServerMetrics) -> None:
         self.state, self.metrics = state, metrics
-        self.runner = state.runner
-        self.tokenizer = state.runner.tokenizer
+        self.model = state.model
+        self.tokenizer = state.model.tokenizer
 
     async def create(self, req: EmbeddingRequest, request: Request) -> Response:
         arrival = time.perf_counter()
@@ -58,7 +60,7 @@ class EmbeddingServing:
                           code="embeddings_not_enabled")
         if req.model_extra:
             log.info("ignoring unknown request fields: %s", ", ".join(sorted(req.model_extra)))
-        size = self.runner.embedding_size
+        size = self.model.embedding_size
         if req.dimensions is not None and req.dimensions > size:
             raise invalid(f"dimensions must be at most {size} for this model, got {req.dimensions}",
                           param="dimensions")
@@ -90,7 +92,7 @@ class EmbeddingServing:
         if len(raw) > MAX_EMBEDDING_INPUTS:
             raise invalid(f"input is a list of {len(raw)} inputs; at most {MAX_EMBEDDING_INPUTS} are allowed per "
                           "request", param="input", code="too_many_inputs")
-        limit = self.runner.context_size
+        limit = self.model.context_size
         if self.state.max_prompt_tokens is not None:
             limit = min(limit, self.state.max_prompt_tokens)
         inputs = []
@@ -105,11 +107,11 @@ class EmbeddingServing:
             else:
                 if not item:
                     raise invalid(f"input[{i}] is an empty list of token ids", param="input")
-                check_token_ids(item, self.runner.vocab_size, "input")
+                check_token_ids(item, self.model.vocab_size, "input")
                 ids = list(item)
             if len(ids) > limit:
                 raise invalid(f"input[{i}] has {len(ids)} tokens; this model takes at most {limit} tokens per input",
-                              param="input", code="context_length_exceeded")
+                              param="input", code=CONTEXT_LENGTH_EXCEEDED)
             inputs.append(ids)
         return inputs
 

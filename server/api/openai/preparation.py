@@ -25,7 +25,7 @@ def chat_prompt_ids(state: ModelState, messages: list[ChatMessage], add_generati
     """The prompt ids of a chat: the model's chat template over `messages` (and the tools, in the template's call
     format), whose text stays text unless the server trusts its callers (`parse_special_in_messages`); a template
     that rejects the messages is a 400."""
-    tokenizer = state.runner.tokenizer
+    tokenizer = state.model.tokenizer
     try:
         conversation, variables = template_messages(messages, tool_format(tokenizer.chat_template), tools)
         return tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,

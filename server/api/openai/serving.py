@@ -12,6 +12,8 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 
+from engine.errors import CONTEXT_LENGTH_EXCEEDED
+
 from server.errors import APIError, invalid
 from server.scheduling.generation import Event, Generation, GenerationDone, GenerationFailed
 from server.grammar.compiler import CompiledGrammar, GrammarCompiler, GrammarSpec, StructuredOutputError
@@ -84,8 +86,8 @@ class OpenAIServing:
 
     def __init__(self, state: ModelState, metrics: ServerMetrics) -> None:
         self.state, self.metrics = state, metrics
-        self.runner = state.runner
-        self.tokenizer = state.runner.tokenizer
+        self.model = state.model
+        self.tokenizer = state.model.tokenizer
 
     def check_model(self, name: str) -> None:
         """404 unless `name` is the served model; the request log names it either way."""
@@ -93,7 +95,7 @@ class OpenAIServing:
         if record is not None:
             record.model = name
         check_model(self.state, name)
-        if self.runner.is_encoder:
+        if self.model.is_encoder:
             raise invalid(f"this model serves embeddings only: `{name}` is an encoder; use POST /v1/embeddings",
                           param="model", code="embeddings_only")
 
@@ -104,7 +106,7 @@ class OpenAIServing:
     def defaults(self, req: OpenAIRequest) -> dict[str, Any]:
         """Values for the fields `req` leaves out: the model's generation defaults, under the server's preset,
         under the request's (server/config/presets.py)."""
-        return layered_defaults(self.runner.generation_defaults, self.state.preset,
+        return layered_defaults(self.model.generation_defaults, self.state.preset,
                                 PRESETS[req.preset] if req.preset is not None else None)
 
     def sampling_params(self, req: OpenAIRequest, logprobs: bool, top_logprobs: int) -> SamplingParams:
@@ -138,7 +140,7 @@ class OpenAIServing:
 
     def logit_bias(self, req: OpenAIRequest) -> dict[int, float]:
         bias = {int(k): float(v) for k, v in (req.logit_bias or {}).items()}
-        check_token_ids(bias, self.runner.vocab_size, "logit_bias")
+        check_token_ids(bias, self.model.vocab_size, "logit_bias")
         return bias
 
     async def compile_grammar(self, spec: GrammarSpec | None) -> CompiledGrammar | None:
@@ -155,18 +157,18 @@ class OpenAIServing:
 
     def max_tokens(self, prompt_len: int, requested: int | None) -> int:
         """The completion budget, checked against the context: 400 with the numbers when it does not fit."""
-        context = self.runner.context_size
+        context = self.model.context_size
         if requested is None:
             if prompt_len >= context:
                 raise invalid(f"This model's maximum context length is {context} tokens, but the prompt has "
                               f"{prompt_len} tokens. Please reduce the length of the prompt.",
-                              param="messages", code="context_length_exceeded")
+                              param="messages", code=CONTEXT_LENGTH_EXCEEDED)
             return context - prompt_len
         if prompt_len + requested > context:
             raise invalid(f"This model's maximum context length is {context} tokens. However, you requested "
                           f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
                           f"completion). Please reduce the prompt or max_tokens.",
-                          param="max_tokens", code="context_length_exceeded")
+                          param="max_tokens", code=CONTEXT_LENGTH_EXCEEDED)
         return requested
 
     def new_generation(self, req: OpenAIRequest, prompt_ids: list[int], params: SamplingParams, max_tokens: int,

@@ -156,7 +156,7 @@ class ResponsesServing(ChatMappedServing):
 
     def _written(self, outcome: ChatOutcome) -> int:
         """The prompt's whole blocks past those read from the prefix cache: computed here, and kept there."""
-        blocks = self.runner.blocks
+        blocks = self.model.blocks
         if not blocks.prefix_caching:
             return 0
         return max(0, outcome.prompt_tokens // blocks.block_size * blocks.block_size - outcome.cached_tokens)

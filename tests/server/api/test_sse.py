@@ -49,7 +49,8 @@ class Connection:
         self.failures: list[str] = []
         self.sending, self.end_overlapped = 0, False
         self.scope = {"type": "http", "method": "POST", "path": "/v1/completions",
-                      "app": SimpleNamespace(state=SimpleNamespace(metrics=SimpleNamespace(fail=self.failures.append)))}
+                      "app": SimpleNamespace(state=SimpleNamespace(server=SimpleNamespace(
+                          metrics=SimpleNamespace(fail=self.failures.append))))}
 
     async def receive(self) -> dict:
         await self.disconnect.wait()

@@ -20,7 +20,7 @@ from server.config.presets import PRESETS, SAMPLING_FIELDS, get_preset, presets_
 from server.api.openai.protocol import ChatCompletionRequest, CompletionRequest
 from server.sampling.sampler import SamplingParams
 from server.api.openai.serving import OpenAIServing
-from server.scheduling.model_state import ModelState
+from server.scheduling.model_state import ModelState, ServedModel
 from server.config.settings import Settings
 from tests.support import app_harness
 from tests.support.greedy_reference import Reference
@@ -48,7 +48,7 @@ def test_every_preset_is_a_valid_request_and_recommends_a_known_generator() -> N
 
 
 def _serving(runner: Runner, server_preset: str | None) -> OpenAIServing:
-    state = ModelState(model_id=MODEL, runner=runner, pool=None, fingerprint="fp", created=0,  # type: ignore[arg-type]
+    state = ModelState(model_id=MODEL, model=ServedModel.of(runner), pool=None, fingerprint="fp", created=0,  # type: ignore[arg-type]
                        preset=PRESETS[server_preset] if server_preset else None)
     return OpenAIServing(state, ServerMetrics(lambda: None))
 

@@ -235,7 +235,7 @@ def test_the_builder_and_the_sync_wrapper_serve_the_real_model(smollm: Runner, r
         # the int4 draft's tokens were verified by the float32 target, which kept its own greedy tokens above
         spec = gen.generator.state.pool.stats()
         assert spec.speculative == "draft" and spec.spec_decode_num_accepted_tokens > 0, spec
-        runner = gen.generator.state.runner
+        runner = gen.generator.state.pool.workers[0].runner
         for i, _ in enumerate(gen.stream(prompt, {"max_tokens": 200, "ignore_eos": True})):
             if i == 2:
                 break  # closing the iterator cancels the generation

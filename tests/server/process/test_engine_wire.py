@@ -16,10 +16,10 @@ from server.scheduling.loading import model_state
 from server.scheduling.embedding_jobs import EmbeddingsDone
 from server.process.wire import ToClient, ToEngine, decode_event, encode_event, is_final
 from server.scheduling.model_state import CacheLayout, PoolStats, ServedModel
-from server.scheduling.generation import ChoiceDelta, GenerationDone, GenerationFailed, PromptLogprobs, TokenLogprob
+from server.scheduling.generation import ChoiceDelta, GenerationDone, GenerationFailed, PromptLogprobs, PositionLogprobs
 from server.config.settings import Settings
 
-LOGPROBS = [TokenLogprob(504, -0.25, [(504, -0.25), (12, -1.5)]), TokenLogprob(7, -3.0, [(9, -0.5), (7, -3.0)])]
+LOGPROBS = [PositionLogprobs(504, -0.25, [(504, -0.25), (12, -1.5)]), PositionLogprobs(7, -3.0, [(9, -0.5), (7, -3.0)])]
 DELTAS = {
     "plain": ChoiceDelta(0, " Paris", [7042]),
     "logprobs": ChoiceDelta(1, " is it", [504, 7], LOGPROBS),
@@ -49,13 +49,13 @@ def test_a_choice_delta_crosses_as_a_tuple_and_comes_back_equal(delta: ChoiceDel
     assert type(back) is ChoiceDelta and back == delta  # every field, `at` (the worker's clock) too
     assert back.at == delta.at
     if delta.logprobs:
-        assert all(type(lp) is TokenLogprob for lp in back.logprobs)
+        assert all(type(lp) is PositionLogprobs for lp in back.logprobs)
         assert [lp.top for lp in back.logprobs] == [lp.top for lp in delta.logprobs]
     assert not is_final(back)
 
 
 EVENTS = {
-    "prompt logprobs": PromptLogprobs([None, TokenLogprob(5, -1.0, [(5, -1.0)])]),
+    "prompt logprobs": PromptLogprobs([None, PositionLogprobs(5, -1.0, [(5, -1.0)])]),
     "done": GenerationDone(12, 8, 4),
     "failed": GenerationFailed(400, "the grammar cannot be compiled", "bad_grammar"),
 }
@@ -87,7 +87,7 @@ def minilm() -> Runner:
 
 
 def _facts(m: Runner | ServedModel) -> dict[str, Any]:
-    """What the HTTP side reads of `ModelState.runner`, the tokenizer and the cache aside."""
+    """What the HTTP side reads of `ModelState.model`, the tokenizer and the cache aside."""
     return {f.name: getattr(m, f.name) for f in fields(ServedModel) if f.name not in ("tokenizer", "blocks")}
 
 
@@ -119,7 +119,7 @@ def test_model_state_of_a_served_model_equals_the_runners(request: pytest.Fixtur
     served = pickle.loads(pickle.dumps(ServedModel.of(runner)))
     pool = object()
     mine, theirs = model_state(settings, runner, pool, False), model_state(settings, served, pool, False)
-    assert theirs.runner is served and theirs.pool is pool
+    assert theirs.model is served and theirs.pool is pool
     for name in ("model_id", "fingerprint", "embeddings", "max_prompt_tokens", "stream_interval", "pooling"):
         assert getattr(theirs, name) == getattr(mine, name), name
 
