@@ -179,6 +179,11 @@ class Runner:
         """A new sequence holding the first `length` computed tokens of `seq`, sharing its blocks (no copy)."""
         return self.blocks.share(seq, length)
 
+    def commit_sequence(self, seq: KVSequence) -> None:
+        """Enter `seq`'s computed full blocks into the prefix cache (tokens written in after they were computed,
+        as a draft's placeholders are)."""
+        self.blocks.commit(seq)
+
     def free_sequence(self, seq: KVSequence) -> None:
         """Return every block of `seq` to the pool (cached prefix blocks stay cached)."""
         self.blocks.release(seq)

@@ -94,11 +94,6 @@ class Scheduler:
             else None
 
     @property
-    def num_queued(self) -> int:
-        """`num_waiting` under the name the worker's stats read (server/scheduling/worker.py)."""
-        return self.num_waiting
-
-    @property
     def num_generations(self) -> int:
         return len(self._gens)
 

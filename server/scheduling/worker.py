@@ -107,7 +107,7 @@ class Worker:
     @property
     def queued(self) -> int:
         """Requests submitted and not started yet (O(1): read on every submission)."""
-        return self._inbox.qsize() + self.scheduler.num_queued + self.scheduler.embeddings.num_waiting
+        return self._inbox.qsize() + self.scheduler.num_waiting + self.scheduler.embeddings.num_waiting
 
     @property
     def load(self) -> int:

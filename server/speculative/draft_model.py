@@ -91,7 +91,7 @@ class DraftModel:
     def propose(self, rows: Sequence[tuple[object, Sequence[int], int, SequenceSampler]]) -> dict[object, Proposal]:
         """Up to k draft tokens for each (key, tokens, k, sampler) row; a row the draft's cache cannot hold now gets
         none."""
-        blocks, active = self.runner.blocks, []
+        runner, active = self.runner, []
         self.last_catch_up = 0
         samplers = {key: sampler for key, _, _, sampler in rows if not sampler.params.is_greedy()}
         for key, tokens, k, _ in rows:
@@ -104,10 +104,10 @@ class DraftModel:
                 log.debug("no draft for a row: %s", e)
                 continue
             # Every draft step's blocks up front, so no later step of this call runs short.
-            if not blocks.can_allocate(seq, len(tokens) + k - 1):
+            if not runner.can_allocate(seq, len(tokens) + k - 1):
                 self._drop(key)
                 continue
-            blocks.allocate(seq, len(tokens) + k - 1)
+            runner.allocate(seq, len(tokens) + k - 1)
             active.append((key, seq, k))
             self.last_catch_up = max(self.last_catch_up, len(seq.tokens) - seq.num_computed)
         if not active:  # every row paused or refused (or an exploring step): no pass to run
@@ -168,5 +168,5 @@ class DraftModel:
         for key, seq, k in active:
             if k > 1:  # the placeholders stand for all but the last draft
                 seq.tokens[len(seq.tokens) - (k - 1):] = drafts[key][:k - 1]
-                runner.blocks.commit(seq)  # blocks that held a placeholder enter the prefix cache now
+                runner.commit_sequence(seq)  # blocks that held a placeholder enter the prefix cache now
         return drafts
