@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from engine.config import ENCODER_FAMILIES
-from engine.errors import ModelNotInstalledError
+from engine.errors import ModelFormatError, ModelNotInstalledError
 
 
 def _package_file(module: str, filename: str) -> Path | None:
@@ -105,3 +105,18 @@ def available_models() -> list[dict[str, Any]]:
     return [{"name": m.name, "family": m.family, "description": m.description, "installed": m.installed(),
              "install": m.install, "generator": m.is_generator, "memory_mib": m.memory_mib}
             for m in KNOWN_MODELS.values()]
+
+
+def model_path(source: str, what: str = "model", also: Sequence[str] = ()) -> Path:
+    """Where `source` is: a known model's file (ModelNotInstalledError, with the install command, when its package
+    is missing) or an existing path; ModelFormatError naming the known names (and `also`, other names the caller
+    accepts) otherwise. `what` names the model in the message ("draft model")."""
+    known = KNOWN_MODELS.get(source)
+    if known is not None:
+        return known.path()
+    path = Path(source)
+    if not path.exists():
+        names = f"({', '.join(KNOWN_MODELS)})" + "".join(f", {' nor '.join(also)}," if also else "")
+        raise ModelFormatError(f"{what} not found: {source!r} is neither a known model name {names} nor an "
+                               "existing path")
+    return path

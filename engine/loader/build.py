@@ -22,7 +22,7 @@ from engine.parallel.sharding import Shard, resize_modules, shard_of, shard_stat
 from engine.runtime.pooling import sentence_transformers_pooling
 from engine.model.quant import QUANT_MODES, Affine4Bit, Int8Embedding, Int8Linear, quantize_int8, quantized_linear
 from engine.model.quant.dot import Int8DotEmbedding, Int8DotLinear, dense_copies_pay
-from engine.registry import KNOWN_MODELS
+from engine.registry import KNOWN_MODELS, model_path
 from engine.runtime.runner import Runner
 from engine.tokenizer.tokenizer import Tokenizer
 from engine.weights import Progress, no_progress
@@ -247,14 +247,10 @@ def _dense_prefill(options: LoadOptions, dtype: torch.dtype) -> bool:
 
 def _resolve_source(source: str) -> tuple[Path, Any]:
     """(the model's path, its registry entry or None)."""
-    known = KNOWN_MODELS.get(source)
-    path = known.path() if known is not None else Path(source)
+    path = model_path(source)
     if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
-        return path, known
-    if path.exists():
-        raise ModelFormatError(f"{path}: not a model: expected a .gguf file or a safetensors directory")
-    raise ModelFormatError(f"model not found: {source!r} is neither a known model name "
-                           f"({', '.join(KNOWN_MODELS)}) nor an existing path")
+        return path, KNOWN_MODELS.get(source)
+    raise ModelFormatError(f"{path}: not a model: expected a .gguf file or a safetensors directory")
 
 
 def read_config(source: str) -> ModelConfig | EncoderConfig:

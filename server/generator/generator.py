@@ -23,7 +23,8 @@ from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
-from engine import KNOWN_MODELS, ModelFormatError, Runner
+from engine import KNOWN_MODELS, Runner
+from engine.registry import model_path
 from engine.weights import no_progress
 
 from server.api.metrics import ServerMetrics
@@ -347,12 +348,7 @@ class GeneratorBuilder:
 
 def _check_local(model: str) -> None:
     """Refuse a model that would need anything fetched: a known one not installed, or a path that is missing."""
-    known = KNOWN_MODELS.get(model)
-    if known is not None:
-        known.path()  # ModelNotInstalledError with the install command
-    elif not Path(model).exists():
-        raise ModelFormatError(f"model not found: {model!r} is neither a known model name "
-                               f"({', '.join(KNOWN_MODELS)}) nor an existing path")
+    model_path(model)  # ModelNotInstalledError with the install command, ModelFormatError for a missing path
 
 
 class SyncGenerator:

@@ -6,13 +6,13 @@ import logging
 import shutil
 import sys
 import tempfile
-from pathlib import Path
 from typing import Any, Literal, Optional, get_args, get_origin
 
 from pydantic import ValidationError
 
-from engine import KNOWN_MODELS, ModelFormatError, ModelNotInstalledError
+from engine import ModelFormatError, ModelNotInstalledError
 from engine.__main__ import add_commands, run
+from engine.registry import model_path
 
 from server import __version__
 from server.api.app import create_app
@@ -64,20 +64,10 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"error: {flag_name(name)} / {env_name(name)}: {err['msg']}", file=sys.stderr)
         return 2
     # Fail before binding the port when there is clearly nothing to load.
-    known = KNOWN_MODELS.get(settings.model)
     try:
-        if known is not None:
-            known.path()
-        elif not Path(settings.model).exists():
-            raise ModelFormatError(f"model not found: {settings.model!r} is neither a known model name "
-                                   f"({', '.join(KNOWN_MODELS)}) nor an existing path")
-        draft = settings.draft_model
-        if draft is not None and draft not in SELF_DRAFTS:
-            if draft in KNOWN_MODELS:
-                KNOWN_MODELS[draft].path()
-            elif not Path(draft).exists():
-                raise ModelFormatError(f"draft model not found: {draft!r} is neither a known model name "
-                                       f"({', '.join(KNOWN_MODELS)}), {' nor '.join(SELF_DRAFTS)}, nor an existing path")
+        model_path(settings.model)
+        if settings.draft_model is not None and settings.draft_model not in SELF_DRAFTS:
+            model_path(settings.draft_model, "draft model", also=tuple(SELF_DRAFTS))
     except (ModelNotInstalledError, ModelFormatError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
