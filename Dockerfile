@@ -19,7 +19,7 @@
 #     emberserve:0.1.0-cpu-runtime
 #   docker run --rm --gpus all -p 8000:8000 emberserve:0.1.0-cuda
 # Every setting is an EMBERSERVE_* environment variable (README: Configuration, Container). Arguments after the
-# image name replace `serve` and go to the CLI: `docker run --rm emberserve:0.1.0-cpu serve --max-context 2048`,
+# image name replace `serve` and go to the CLI: `docker run --rm emberserve:0.1.0-cpu serve --max-model-len 2048`,
 # `docker run --rm emberserve:0.1.0-cpu models`.
 # Checked by tests/deploy/test_dockerfile.py (hadolint, and the RUN and ENTRYPOINT commands run outside Docker).
 

@@ -5,13 +5,14 @@ validation and the README's table are all derived from its fields.
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_validator
 from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from engine.config import MAX_CHUNKS, QuantMode
 from engine.kernels.switches import KernelSwitches
@@ -23,6 +24,10 @@ from server.config.presets import PresetName
 SpeculativeMethod = Literal["ngram", "draft"]
 
 ENV_PREFIX = "EMBERSERVE_"
+# Settings renamed to vLLM's names (what users of vLLM type): old name -> new. The old flags, EMBERSERVE_*
+# variables and keyword names keep working as aliases of the new ones.
+RENAMED = {"max_context": "max_model_len", "max_running": "max_num_seqs",
+           "max_batched_tokens": "max_num_batched_tokens"}
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
@@ -50,6 +55,28 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="forbid", case_sensitive=False)
 
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource,
+                                   dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource,
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """The old names' variables (RENAMED) below the new names' own."""
+        return init_settings, env_settings, _RenamedEnv(settings_cls), dotenv_settings, file_secret_settings
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_names(cls, data: Any) -> Any:
+        """A setting given by its old name (RENAMED) as a keyword is the new one; both at once is an error."""
+        if isinstance(data, dict) and any(old in data for old in RENAMED):
+            data = dict(data)
+            for old, new in RENAMED.items():
+                if old in data:
+                    if new in data:
+                        raise ValueError(f"{old} is the old name of {new}: give one of them")
+                    data[new] = data.pop(old)
+        return data
+
     model: str = Field(DEFAULT_MODEL, description="a known model name, a .gguf file or a safetensors directory")
     host: str = Field(DEFAULT_HOST, description="address to listen on (0.0.0.0 in the container image)")
     port: int = Field(DEFAULT_PORT, ge=0, le=65535, description="port to listen on")
@@ -59,7 +86,7 @@ class Settings(BaseSettings):
     quant: QuantMode | None = Field(
         None, description="weights kept as int8 per-channel or int4 group-wise (CPU; CUDA with bfloat16); default: int4 for a GGUF "
                           "model on CPU unless dtype is float32, else none")
-    max_context: PositiveInt | None = Field(None, description="cap the context below the model's")
+    max_model_len: PositiveInt | None = Field(None, description="cap the context below the model's")
     served_model_name: str | None = Field(None, description="the model id clients send (default: the model's name)")
     preset: PresetName | None = Field(
         None, description="the sampling profile requests start from: fast, balanced, quality, creative, code or "
@@ -71,9 +98,9 @@ class Settings(BaseSettings):
                        "process is rank 0 and spawns the others; decoders only, not with --workers")
     max_queued: int = Field(256, ge=0, description="waiting requests per worker before answering 429; also the "
                                                    "most prompts one completions request may list")
-    max_running: PositiveInt | None = Field(
+    max_num_seqs: PositiveInt | None = Field(
         None, description="sequences decoding together in one batch (default: 32 on CPU, 256 on a GPU)")
-    max_batched_tokens: PositiveInt | None = Field(
+    max_num_batched_tokens: PositiveInt | None = Field(
         None, description="tokens per forward pass; longer prompts are prefilled in chunks (default: 512 on CPU, "
                           "8192 on a GPU or for an encoder model, which has no decoding to keep flowing)")
     cuda_graphs: bool = Field(
@@ -180,9 +207,9 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _budget_holds_the_batch(self) -> Settings:
-        running, budget = device_default(self, "max_running"), device_default(self, "max_batched_tokens")
+        running, budget = device_default(self, "max_num_seqs"), device_default(self, "max_num_batched_tokens")
         if budget < running:
-            raise ValueError(f"max_batched_tokens ({budget}) must be at least max_running ({running}): every "
+            raise ValueError(f"max_num_batched_tokens ({budget}) must be at least max_num_seqs ({running}): every "
                              "running sequence decodes one token in each forward pass")
         return self
 
@@ -231,15 +258,15 @@ class Settings(BaseSettings):
         return value.lower() if isinstance(value, str) else value
 
 
-CPU_DEFAULTS = {"max_running": 32, "max_batched_tokens": 512, "speculative_disable_by_batch_size": None,
+CPU_DEFAULTS = {"max_num_seqs": 32, "max_num_batched_tokens": 512, "speculative_disable_by_batch_size": None,
                 "engine_process": False, "async_scheduling": False}
 # Past MAX_CHUNKS drafting sequences a GPU step runs eagerly, and speculation at 8 streams was slower than none
 # (bench/RESULTS.md#issue-16-gpu-verification-graphs).
-GPU_DEFAULTS = {"max_running": 256, "max_batched_tokens": 8192, "speculative_disable_by_batch_size": MAX_CHUNKS,
+GPU_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "speculative_disable_by_batch_size": MAX_CHUNKS,
                 "engine_process": True, "async_scheduling": True}
 # An encoder only embeds: its steps need not stay short for decoding streams, and a batch split into small steps
 # pays each step's fixed costs again (a request of 64 sentences: 4 steps instead of 1 under the CPU default).
-ENCODER_DEFAULTS = {"max_batched_tokens": 8192}
+ENCODER_DEFAULTS = {"max_num_batched_tokens": 8192}
 
 
 def device_default(settings: Settings, name: str, encoder: bool = False) -> int | None:
@@ -279,3 +306,14 @@ def settings_table() -> str:
     for name, info in Settings.model_fields.items():
         rows.append(f"| `{flag_name(name)}` | `{env_name(name)}` | `{_default_text(info)}` | {info.description} |")
     return "\n".join(rows)
+
+
+class _RenamedEnv(PydanticBaseSettingsSource):
+    """The EMBERSERVE_* variables of the settings' old names (RENAMED), read as the new names."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # unused: __call__ reads the environment itself
+
+    def __call__(self) -> dict[str, Any]:
+        environ = {k.upper(): v for k, v in os.environ.items()}
+        return {new: environ[env_name(old)] for old, new in RENAMED.items() if env_name(old) in environ}

@@ -33,7 +33,7 @@ from server.api.openai.protocol import ChatCompletionRequest, CompletionRequest,
 from server.api.openai.serving import OpenAIServing, check_token_ids, request_id
 from server.config.model_catalog import is_generator_model
 from server.config.presets import get_preset
-from server.config.settings import Settings, env_name, flag_name
+from server.config.settings import RENAMED, Settings, env_name, flag_name
 from server.generator.config import (GeneratedText, GenerationConfig, GenerationError, Prompt, StreamedToken,
                                      as_generation_errors, generation_request, ran_with)
 from server.scheduling.generation import ChoiceDelta, Generation, GenerationDone, GenerationFailed
@@ -269,7 +269,9 @@ class GeneratorBuilder:
         return self
 
     def setting(self, name: str, value: Any) -> GeneratorBuilder:
-        """Any server setting by its Settings field name (`max_running`, `quant`, `kv_cache_memory`, ...)."""
+        """Any server setting by its Settings field name (`max_num_seqs`, `quant`, `kv_cache_memory`, ...; an old
+        name, `max_running`, still works)."""
+        name = RENAMED.get(name, name)
         if name not in Settings.model_fields:
             raise ValueError(f"unknown setting {name!r}; the settings are {', '.join(Settings.model_fields)}")
         self._settings[name] = value

@@ -24,7 +24,7 @@ from server.launch.lifecycle import EXIT_LOAD_FAILED, EXIT_WORKER_FAILED, serve_
 from server.logs import configure_logging
 from server.api.metrics import share_metrics_across_processes
 from server.config.presets import presets_text
-from server.config.settings import Settings, env_name, flag_name
+from server.config.settings import RENAMED, Settings, env_name, flag_name
 
 log = logging.getLogger("emberserve")
 
@@ -39,7 +39,7 @@ def _choices(annotation: Any) -> list[str] | None:
     return None
 
 
-def _settings_arguments(parser: argparse.ArgumentParser) -> None:
+def settings_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per Settings field; a flag left out leaves the environment variable or the default in force."""
     for name, info in Settings.model_fields.items():
         help_text = f"{info.description} [env {env_name(name)}]".replace("%", "%%")
@@ -51,6 +51,9 @@ def _settings_arguments(parser: argparse.ArgumentParser) -> None:
                                 help=help_text)
     parser.add_argument("--no-prefix-cache", dest="prefix_caching", action="store_false", default=argparse.SUPPRESS,
                         help="the same as --no-prefix-caching")
+    for old, new in RENAMED.items():  # the settings' old names, before they took vLLM's
+        parser.add_argument(flag_name(old), dest=new, default=argparse.SUPPRESS,
+                            help=f"the same as {flag_name(new)} (its old name)")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -109,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="emberserve", description="OpenAI-compatible LLM server")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over the OpenAI API")
-    _settings_arguments(serve)
+    settings_arguments(serve)
     serve.set_defaults(func=_serve)
     sub.add_parser("presets", help="list the generation presets (--preset, a request's \"preset\")").set_defaults(
         func=_presets)

@@ -52,14 +52,14 @@ def load_speculator(settings: Settings, runner: Runner, device: str, progress: P
         return Speculator(config)
     name, quant = settings.draft_model, SELF_DRAFTS.get(settings.draft_model)
     draft = load_runner(settings.model if quant else name, device=device, quant=quant,
-                        dtype="bfloat16" if quant else settings.dtype, max_context=settings.max_context,
+                        dtype="bfloat16" if quant else settings.dtype, max_context=settings.max_model_len,
                         prefix_caching=settings.prefix_caching, progress=progress,
                         dense_prefill=settings.dense_prefill)
     mismatch = vocabulary_mismatch(runner, draft)
     if mismatch is not None:
         raise ValueError(mismatch)
     if draft.device.type == "cuda" and settings.cuda_graphs:  # the draft's decode steps replay graphs too
-        draft.capture_cuda_graphs(device_default(settings, "max_running"))
+        draft.capture_cuda_graphs(device_default(settings, "max_num_seqs"))
     log.info("draft model %s (%s weights) proposes up to %d tokens per step", name,
              draft.quant if draft.quant != "none" else "dense", settings.num_speculative_tokens)
     return Speculator(config, DraftModel(draft))
@@ -69,7 +69,7 @@ def load_worker_runner(settings: Settings, index: int, progress: Progress) -> Ru
     """Worker `index`'s runner, loaded as the settings say (and its CUDA graphs captured on a GPU)."""
     runner = load_runner(settings.model, device=worker_device(settings, index), dtype=settings.dtype,
                          quant=settings.quant,
-                         max_context=settings.max_context, kv_cache_memory=settings.kv_cache_memory,
+                         max_context=settings.max_model_len, kv_cache_memory=settings.kv_cache_memory,
                          prefix_caching=settings.prefix_caching, progress=progress,
                          dense_prefill=settings.dense_prefill, deterministic=settings.deterministic,
                          tensor_parallel_size=settings.tensor_parallel_size)
@@ -83,7 +83,7 @@ def load_worker_runner(settings: Settings, index: int, progress: Progress) -> Ru
                  "on" if blocks.prefix_caching else "off")
     if runner.device.type == "cuda" and settings.cuda_graphs and not runner.is_encoder:
         if runner.tensor_parallel is None:
-            runner.capture_cuda_graphs(device_default(settings, "max_running"))
+            runner.capture_cuda_graphs(device_default(settings, "max_num_seqs"))
         else:
             log.warning("CUDA graphs are not used with tensor parallelism yet: decode steps run eagerly")
     return runner
@@ -99,10 +99,10 @@ def start_serving(settings: Settings, runners: list[Runner], on_worker_failure: 
     # them sleep at its barriers.
     processes = len(runners) * settings.tensor_parallel_size
     threads = max(1, torch.get_num_threads() // processes) if settings.device == "cpu" else None
-    max_running = device_default(settings, "max_running")
+    max_running = device_default(settings, "max_num_seqs")
     speculators = speculators or [None] * len(runners)
     workers = [Worker(runner, f"worker-{i}", max_running=max_running, threads=threads, on_failure=on_worker_failure,
-                      max_batched_tokens=device_default(settings, "max_batched_tokens", encoder=runner.is_encoder),
+                      max_batched_tokens=device_default(settings, "max_num_batched_tokens", encoder=runner.is_encoder),
                       speculator=speculators[i],
                       async_scheduling=bool(device_default(settings, "async_scheduling")))
                for i, runner in enumerate(runners)]

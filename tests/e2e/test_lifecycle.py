@@ -234,7 +234,7 @@ def test_unloadable_model_file_exits_with_a_clear_message(tmp_path: Path) -> Non
 def test_serve_help() -> None:
     p = run_cli("serve", "--help", timeout=30)
     assert p.returncode == 0, p.stderr
-    for option in ("--model", "--host", "--port", "--max-context", "--served-model-name"):
+    for option in ("--model", "--host", "--port", "--max-model-len", "--max-context", "--served-model-name"):
         assert option in p.stdout
 
 

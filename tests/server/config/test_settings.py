@@ -2,6 +2,7 @@
 start-up progress bar."""
 from __future__ import annotations
 
+import argparse
 import io
 import subprocess
 import sys
@@ -10,9 +11,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from server.launch.cli import main
+from server.launch.cli import main, settings_arguments
 from server.scheduling.progress import LoadProgress
-from server.config.settings import Settings, settings_table
+from server.config.settings import RENAMED, Settings, env_name, flag_name, settings_table
 
 README = Path(__file__).resolve().parents[3] / "README.md"
 
@@ -33,9 +34,9 @@ def test_environment_variables_fill_every_kind_of_setting(monkeypatch: pytest.Mo
 
 def test_flags_win_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EMBERSERVE_PORT", "9001")
-    monkeypatch.setenv("EMBERSERVE_MAX_RUNNING", "4")
+    monkeypatch.setenv("EMBERSERVE_MAX_NUM_SEQS", "4")
     s = Settings(port="9002")
-    assert s.port == 9002 and s.max_running == 4
+    assert s.port == 9002 and s.max_num_seqs == 4
 
 
 @pytest.mark.parametrize("name, value", [("EMBERSERVE_PORT", "eighty"), ("EMBERSERVE_WORKERS", "0"),
@@ -100,21 +101,23 @@ def test_load_progress_draws_a_bar_on_a_terminal_and_logs_steps_otherwise(caplog
 
 
 def test_a_token_budget_below_the_batch_is_refused() -> None:
-    with pytest.raises(ValidationError, match=r"max_batched_tokens \(16\) must be at least max_running \(32\)"):
-        Settings(max_batched_tokens=16)
-    with pytest.raises(ValidationError, match=r"max_batched_tokens \(512\) must be at least max_running \(600\)"):
-        Settings(max_running=600)
-    assert Settings(max_batched_tokens=16, max_running=16).max_running == 16
-    assert Settings(device="cuda", max_running=600).max_running == 600  # the GPU's default budget holds 8192
+    with pytest.raises(ValidationError,
+                       match=r"max_num_batched_tokens \(16\) must be at least max_num_seqs \(32\)"):
+        Settings(max_num_batched_tokens=16)
+    with pytest.raises(ValidationError,
+                       match=r"max_num_batched_tokens \(512\) must be at least max_num_seqs \(600\)"):
+        Settings(max_num_seqs=600)
+    assert Settings(max_num_batched_tokens=16, max_num_seqs=16).max_num_seqs == 16
+    assert Settings(device="cuda", max_num_seqs=600).max_num_seqs == 600  # the GPU's default budget holds 8192
 
 
 def test_an_encoder_takes_whole_batches_unless_told_otherwise() -> None:
     from server.config.settings import device_default
 
-    assert device_default(Settings(), "max_batched_tokens") == 512
-    assert device_default(Settings(), "max_batched_tokens", encoder=True) == 8192
-    assert device_default(Settings(max_batched_tokens=64), "max_batched_tokens", encoder=True) == 64
-    assert device_default(Settings(), "max_running", encoder=True) == 32
+    assert device_default(Settings(), "max_num_batched_tokens") == 512
+    assert device_default(Settings(), "max_num_batched_tokens", encoder=True) == 8192
+    assert device_default(Settings(max_num_batched_tokens=64), "max_num_batched_tokens", encoder=True) == 64
+    assert device_default(Settings(), "max_num_seqs", encoder=True) == 32
 
 
 def test_on_a_gpu_speculation_stops_past_the_rows_a_graph_step_verifies() -> None:
@@ -170,3 +173,20 @@ def test_the_settings_module_loads_neither_torch_nor_the_runner() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           cwd=README.parent)
     assert done.stdout.split() == ["False", "False"], done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("old, new", sorted(RENAMED.items()))
+def test_the_old_names_of_renamed_settings_still_work(old: str, new: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """max_context, max_running and max_batched_tokens took vLLM's names; their keywords, EMBERSERVE_* variables and
+    flags are aliases of the new ones, and the new name wins over the old one's variable."""
+    assert getattr(Settings(**{old: 64}), new) == 64
+    monkeypatch.setenv(env_name(old), "48")
+    assert getattr(Settings(), new) == 48
+    monkeypatch.setenv(env_name(new), "40")
+    assert getattr(Settings(), new) == 40
+    with pytest.raises(ValidationError, match=f"{old} is the old name of {new}"):
+        Settings(**{old: 64, new: 64})
+    parser = argparse.ArgumentParser()
+    settings_arguments(parser)
+    assert getattr(parser.parse_args([flag_name(old), "32"]), new) == "32"
+    assert flag_name(old) in README.read_text() and env_name(old) in README.read_text()

@@ -126,7 +126,7 @@ def test_model_state_of_a_served_model_equals_the_runners(request: pytest.Fixtur
 
 def test_settings_cross_to_the_engine_process() -> None:
     """The engine process is spawned with the settings: they pickle, the API key (a secret) with them."""
-    settings = Settings(model="smollm2-135m", api_key="sk-test", engine_process=True, max_running=7,
+    settings = Settings(model="smollm2-135m", api_key="sk-test", engine_process=True, max_num_seqs=7,
                         allowed_origins=["https://example.com"])
     back = pickle.loads(pickle.dumps(settings))
     assert back == settings and back.api_key.get_secret_value() == "sk-test"
