@@ -5,9 +5,9 @@ import argparse
 import sys
 import time
 
-from engine import available_models, load_runner
+from engine import available_models
 from engine.errors import EngineError
-from engine.model.quant import QUANT_MODES
+from engine.config import QUANT_MODES
 from engine.registry import DEFAULT_MODEL
 
 
@@ -19,6 +19,8 @@ def _models(_: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from engine.loader.load import load_runner  # here, not at import: the command line's other commands need no torch
+
     started = time.perf_counter()
     runner = load_runner(args.model, device=args.device, dtype=args.dtype, max_context=args.max_context,
                          quant=args.quant)

@@ -34,6 +34,15 @@ class KernelSwitches:
                    kernel_cache=Path(environ["EMBERSERVE_KERNEL_CACHE"]) if environ.get("EMBERSERVE_KERNEL_CACHE")
                    else None)
 
+    def as_environ(self) -> dict[str, str]:
+        """These switches as the variables `from_environ` reads (for processes started from this one)."""
+        out = {"EMBERSERVE_GEMV": "1" if self.gemv else "0",
+               "EMBERSERVE_FUSED_KERNELS": "1" if self.fused_kernels else "0",
+               "EMBERSERVE_CPU_KERNELS": "1" if self.cpu_kernels else "0"}
+        if self.kernel_cache is not None:
+            out["EMBERSERVE_KERNEL_CACHE"] = str(self.kernel_cache)
+        return out
+
 
 SWITCHES = KernelSwitches.from_environ()  # in force now: the environment's, until `configure`
 _cpu_kernels_decided = False

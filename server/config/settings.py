@@ -22,6 +22,8 @@ from server.config.presets import PresetName
 
 # Speculative decoding's methods: prompt lookup (n-gram) or a draft model.
 SpeculativeMethod = Literal["ngram", "draft"]
+# --draft-model names that mean the served model itself, quantized (a cheaper copy of the same vocabulary).
+SELF_DRAFTS = {"self-int4": "int4", "self-int8": "int8"}
 
 ENV_PREFIX = "EMBERSERVE_"
 # Settings renamed to vLLM's names (what users of vLLM type): old name -> new. The old flags, EMBERSERVE_*
@@ -185,8 +187,8 @@ class Settings(BaseSettings):
     fused_kernels: KernelSwitch = Field(
         True, description="the fused Triton kernels (RMSNorm, RoPE and KV writes, gated activations; off: torch ops)")
     cpu_kernels: KernelSwitch = Field(
-        True, description="the compiled fused CPU kernels (off: torch ops); decided when the engine's kernels are "
-                          "first imported, so set through the environment")
+        True, description="the compiled fused CPU kernels (off: torch ops); fixed when the engine's kernels are first "
+                          "imported (`emberserve serve` sets it before; in Python, set the variable before importing)")
     kernel_cache: Annotated[str | None, BeforeValidator(lambda v: v or None)] = Field(
         None, description="directory of the compiled CPU kernels' build (default: ~/.cache/emberserve)")
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shutil
 import sys
 import tempfile
@@ -15,16 +16,11 @@ from engine.__main__ import add_commands, run
 from engine.registry import model_path
 
 from server import __version__
-from server.api.app import create_app
-from server.api.state import app_state
-from server.launch.http_fronts import Fronts
-from server.scheduling.loading import SELF_DRAFTS
-from server.scheduling.threads import cap_malloc_arenas
-from server.launch.lifecycle import EXIT_LOAD_FAILED, EXIT_WORKER_FAILED, serve_until_stopped
-from server.logs import configure_logging
-from server.api.metrics import share_metrics_across_processes
+from engine.kernels.switches import configure as configure_kernels
 from server.config.presets import presets_text
-from server.config.settings import RENAMED, Settings, env_name, flag_name
+from server.config.settings import RENAMED, SELF_DRAFTS, Settings, env_name, flag_name
+from server.logs import configure_logging
+from server.scheduling.threads import cap_malloc_arenas
 
 log = logging.getLogger("emberserve")
 
@@ -56,6 +52,14 @@ def settings_arguments(parser: argparse.ArgumentParser) -> None:
                             help=f"the same as {flag_name(new)} (its old name)")
 
 
+def apply_kernel_switches(settings: Settings) -> None:
+    """Put the settings' kernel switches in force before anything imports the engine's kernels (the compiled CPU
+    kernels are chosen then): in this process, and through the environment in those it starts (the engine
+    process, tensor-parallel ranks, more HTTP processes), which import the kernels before they read settings."""
+    configure_kernels(settings.kernel_switches)
+    os.environ.update(settings.kernel_switches.as_environ())
+
+
 def _serve(args: argparse.Namespace) -> int:
     cap_malloc_arenas()
     given = {name: value for name, value in vars(args).items() if name in Settings.model_fields}
@@ -75,8 +79,11 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, settings.log_format)
+    apply_kernel_switches(settings)
     metrics_dir = None
     if settings.api_server_count > 1:  # every HTTP process's metrics in files that a scrape of any one sums
+        from server.api.metrics import share_metrics_across_processes  # it imports the app's stack: after the above
+
         metrics_dir = tempfile.mkdtemp(prefix="emberserve-metrics-")
         share_metrics_across_processes(metrics_dir)
     try:
@@ -87,6 +94,12 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _run_server(settings: Settings) -> int:
+    # Imported here, after the kernel switches are in force: importing the app imports the engine's kernels.
+    from server.api.app import create_app
+    from server.api.state import app_state
+    from server.launch.http_fronts import Fronts
+    from server.launch.lifecycle import EXIT_LOAD_FAILED, EXIT_WORKER_FAILED, serve_until_stopped
+
     app = create_app(settings, start_fronts=Fronts)
     log.info("emberserve %s: loading %s on %s; will listen on http://%s:%d/v1", __version__, settings.model,
              settings.device, settings.host, settings.port)

@@ -19,7 +19,7 @@ from engine.weights import Progress
 
 from server import __version__
 from server.config.presets import get_preset
-from server.config.settings import Settings, device_default
+from server.config.settings import SELF_DRAFTS, Settings, device_default
 from server.grammar.compiler import GrammarCompiler
 from server.scheduling.model_state import ModelState, Pool, ServedModel
 from server.scheduling.progress import LoadProgress
@@ -37,8 +37,6 @@ def worker_device(settings: Settings, index: int) -> str:
     return settings.device
 
 
-# --draft-model names that mean the served model itself, quantized (a cheaper copy of the same vocabulary).
-SELF_DRAFTS = {"self-int4": "int4", "self-int8": "int8"}
 
 
 def load_speculator(settings: Settings, runner: Runner, device: str, progress: Progress) -> Speculator | None:
