@@ -343,8 +343,6 @@ class GeneratorBuilder:
 
     def build_sync(self) -> SyncGenerator:
         """A `SyncGenerator`: the same generator for scripts, run on an event loop thread of its own."""
-        from server.generator.sync import SyncGenerator
-
         return SyncGenerator(self.build())
 
 
