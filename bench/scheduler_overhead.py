@@ -34,6 +34,8 @@ class InstantRunner:
         self.real = runner
         self.blocks, self.tokenizer, self.vocab_size = runner.blocks, runner.tokenizer, runner.vocab_size
         self.device, self.context_size = runner.device, runner.context_size
+        # The pool operations the scheduler calls per sequence, as the real runner has them (not through __getattr__)
+        self.can_allocate, self.allocate = runner.can_allocate, runner.allocate
         bs = runner.blocks.block_size
         self.staging = StepStaging(max_batch, table_width(runner.context_size, bs), runner.blocks.num_blocks * bs,
                                    runner.device)

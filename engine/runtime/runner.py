@@ -107,6 +107,10 @@ class Runner:
                         num_blocks * block_size, self.context_size)
             self.context_size = num_blocks * block_size
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
+        # The two pool operations the scheduler calls for every running sequence at every step are the block
+        # manager's own bound methods: a Runner method around each would add a Python call there.
+        self.can_allocate = self.blocks.can_allocate
+        self.allocate = self.blocks.allocate
         # On a GPU one spare block past the manager's: CUDA-graph padding rows write there (engine/runtime/cuda_graphs.py).
         spare = 1 if device.type == "cuda" else 0
         self.cache = PagedKVCache(self.config, num_blocks + spare, block_size, dtype, device, kv_heads)
@@ -163,13 +167,11 @@ class Runner:
             self.blocks.match_prefix(seq, len(ids) - 1)
         return seq
 
-    def can_allocate(self, seq: KVSequence, total_tokens: int, reserve: int = 0) -> bool:
-        """Whether `seq` can be given the blocks for `total_tokens` tokens, leaving `reserve` blocks free."""
-        return self.blocks.can_allocate(seq, total_tokens, reserve=reserve)
-
-    def allocate(self, seq: KVSequence, total_tokens: int) -> None:
-        """Give `seq` the blocks to compute up to `total_tokens` tokens (NoFreeBlocks if the pool cannot)."""
-        self.blocks.allocate(seq, total_tokens)
+    # can_allocate(seq, total_tokens, reserve=0): whether `seq` can be given the blocks for `total_tokens` tokens,
+    # leaving `reserve` blocks free; allocate(seq, total_tokens): give them (NoFreeBlocks if the pool cannot).
+    # Set in __init__ for a decoder (BlockManager.can_allocate / allocate, bound).
+    can_allocate: Callable[..., bool]
+    allocate: Callable[[KVSequence, int], None]
 
     def match_prefix(self, seq: KVSequence, max_tokens: int) -> int:
         """Attach the longest cached prefix (at most `max_tokens` tokens) to `seq`, which holds no blocks."""
