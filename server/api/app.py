@@ -19,6 +19,7 @@ from server import __version__
 from server.api.errors import install_error_handlers
 from server.api.metrics import ServerMetrics
 from server.api.openapi import install_openapi
+from server.api.paths import PathAliases
 from server.api.request_context import REQUEST_ID_HEADER, RequestContext
 from server.api.routes import router
 from server.api.security import ApiKeyAuth, BodySizeLimit
@@ -162,7 +163,8 @@ def create_app(settings: Settings, engine: tuple[Any, ServedModel] | None = None
 
 
 def _add_middleware(app: FastAPI, settings: Settings) -> None:
-    """Outermost first: CORS (preflights need no key), request context, API key, body size."""
+    """Outermost first: path aliases (everything after sees the canonical path), CORS (preflights need no key),
+    request context, API key, body size."""
     app.add_middleware(BodySizeLimit, limit=settings.max_request_bytes)
     if settings.api_key is not None:
         app.add_middleware(ApiKeyAuth, api_key=settings.api_key.get_secret_value())
@@ -172,3 +174,4 @@ def _add_middleware(app: FastAPI, settings: Settings) -> None:
                            allow_headers=["Authorization", "Content-Type", "X-Request-Id", "X-Api-Key",
                                           "Anthropic-Version"],
                            expose_headers=[REQUEST_ID_HEADER], allow_credentials="*" not in settings.allowed_origins)
+    app.add_middleware(PathAliases, v1_paths=[route.path for route in router.routes if hasattr(route, "path")])

@@ -7,11 +7,12 @@ from typing import Any, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
+from server import __version__
 from server.errors import APIError, invalid
 from server.api.openapi import PROMETHEUS_TEXT, RETRY_AFTER, anthropic_errors, errors
 from server.api.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
     CompletionResponse, DetokenizeRequest, DetokenizeResponse, EmbeddingRequest, EmbeddingResponse, Health,
-    HealthUnavailable, Liveness, ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
+    HealthUnavailable, Liveness, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, VersionInfo)
 from server.api.anthropic.protocol import CountTokensRequest, MessageResponse, MessagesRequest, TokenCount
 from server.api.responses.protocol import InputItemList, ResponseDeleted, ResponseObject, ResponsesRequest
 from server.api.openai.serving import check_model, check_token_ids, prompt_work
@@ -59,6 +60,11 @@ def _unavailable(status: str, headers: dict[str, str] | None = None) -> JSONResp
 @router.get("/livez", response_model=Liveness, summary="liveness: 200 while the process answers HTTP")
 async def livez() -> Liveness:
     return Liveness(status="alive")
+
+
+@router.get("/version", response_model=VersionInfo, summary="the server's version")
+async def version() -> VersionInfo:
+    return VersionInfo(version=__version__)
 
 
 @router.get("/health", response_model=Health,

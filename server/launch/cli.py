@@ -19,6 +19,7 @@ from server import __version__
 from engine.kernels.switches import configure as configure_kernels
 from server.config.presets import presets_text
 from server.config.settings import RENAMED, SELF_DRAFTS, Settings, env_name, flag_name
+from server.launch.checks import EXIT_LOAD_FAILED, EXIT_PORT_IN_USE, EXIT_WORKER_FAILED, bind_error
 from server.logs import configure_logging
 from server.scheduling.threads import cap_malloc_arenas
 
@@ -79,6 +80,11 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, settings.log_format)
+    listen_error = bind_error(settings.host, settings.port)
+    if listen_error is not None:
+        print(f"error: cannot listen on {settings.host}:{settings.port}: {listen_error.strerror or listen_error} "
+              f"(--port / {env_name('port')} chooses another)", file=sys.stderr)
+        return EXIT_PORT_IN_USE
     apply_kernel_switches(settings)
     metrics_dir = None
     if settings.api_server_count > 1:  # every HTTP process's metrics in files that a scrape of any one sums
@@ -98,7 +104,7 @@ def _run_server(settings: Settings) -> int:
     from server.api.app import create_app
     from server.api.state import app_state
     from server.launch.http_fronts import Fronts
-    from server.launch.lifecycle import EXIT_LOAD_FAILED, EXIT_WORKER_FAILED, serve_until_stopped
+    from server.launch.lifecycle import serve_until_stopped
 
     app = create_app(settings, start_fronts=Fronts)
     log.info("emberserve %s: loading %s on %s; will listen on http://%s:%d/v1", __version__, settings.model,
@@ -123,6 +129,7 @@ def _presets(_: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="emberserve", description="OpenAI-compatible LLM server")
+    parser.add_argument("--version", action="version", version=f"emberserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over the OpenAI API")
     settings_arguments(serve)

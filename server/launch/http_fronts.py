@@ -28,7 +28,8 @@ from server.api.app import create_app
 from server.api.state import app_state
 from server.api.metrics import MULTIPROCESS_ENV, share_metrics_across_processes
 from server.config.settings import Settings
-from server.launch.lifecycle import EXIT_WORKER_FAILED, serve_until_stopped
+from server.launch.checks import EXIT_WORKER_FAILED
+from server.launch.lifecycle import serve_until_stopped
 from server.logs import configure_logging
 from server.scheduling.model_state import ServedModel
 from server.scheduling.threads import cap_malloc_arenas

@@ -18,10 +18,6 @@ from server.config.settings import Settings
 log = logging.getLogger("emberserve")
 POLL_S = 0.05
 FINAL_CLOSE_S = 1  # after the drain: how long uvicorn waits for open responses before cancelling them
-EXIT_LOAD_FAILED = 3
-EXIT_WORKER_FAILED = 4
-
-
 def serve_until_stopped(app: FastAPI, settings: Settings, sock: socket.socket | None = None, bind: bool = False) -> None:
     """Serve `app` with a `DrainingServer` until it stops: on `sock` (a socket another process bound and shares),
     on one bound here for the other HTTP processes to share (`bind`: its AppState's `listen_socket`), or on the

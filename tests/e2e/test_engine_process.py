@@ -30,7 +30,7 @@ from tests.support.server_process import EXACT, ServerProcess, health_while_exit
 
 MODEL = "smollm2-135m"
 ENGINE = ("--model", MODEL, *EXACT, "--engine-process")
-EXIT_WORKER_FAILED = 4  # server/launch/lifecycle.py
+EXIT_WORKER_FAILED = 4  # server/launch/checks.py
 EXIT_WITHIN_S = 30.0
 
 

@@ -244,3 +244,30 @@ def test_emberserve_console_script() -> None:
     p = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=30)
     assert p.returncode == 0, p.stderr
     assert "serve" in p.stdout
+
+
+def test_version_flag() -> None:
+    from server import __version__
+
+    p = run_cli("--version", timeout=30)
+    assert p.returncode == 0 and p.stdout.strip() == f"emberserve {__version__}", (p.stdout, p.stderr)
+
+
+def test_a_taken_port_ends_the_start_at_once_with_one_line() -> None:
+    """Before the model loads (which took the whole load before it failed): its own exit status, one line."""
+    import socket
+
+    from server.launch.checks import EXIT_PORT_IN_USE
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        p = run_cli("serve", "--port", str(port), timeout=60)
+        elapsed = time.monotonic() - started
+    assert p.returncode == EXIT_PORT_IN_USE, (p.returncode, p.stderr)
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot listen on 127.0.0.1:") and str(port) in lines[0], \
+        p.stderr
+    assert "loading" not in p.stderr and elapsed < 20, (elapsed, p.stderr)

@@ -22,7 +22,7 @@ from tests.support.server_process import ServerProcess, start_server, stop_serve
 from tests.support.tiny_models import build_tiny_model
 
 SERVED = "tiny-tp"
-EXIT_WORKER_FAILED = 4  # server/launch/lifecycle.py
+EXIT_WORKER_FAILED = 4  # server/launch/checks.py
 QUESTIONS = ["Hello there, how are you today?", "The quick brown fox jumps over the lazy dog.",
              "Numbers like 12 and 345 are split into pieces."]
 

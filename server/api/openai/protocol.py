@@ -435,6 +435,12 @@ class Liveness(BaseModel):
     status: Literal["alive"]
 
 
+class VersionInfo(BaseModel):
+    """GET /version: the server's version (the same as `emberserve --version`)."""
+
+    version: str
+
+
 class Health(BaseModel):
     """GET /health when ready: the served model, its device and weight format, and the worker pool's figures."""
 
