@@ -133,6 +133,10 @@ class Settings(BaseSettings):
     prefix_caching: bool = Field(True, description="reuse the KV cache of prompt prefixes seen before")
     max_prompt_tokens: PositiveInt | None = Field(
         None, description="longest prompt accepted, in tokens (default: the context size); longer ones get a 400")
+    max_tokens_default: PositiveInt | None = Field(
+        None, description="the output budget of a request that sets none (max_tokens, max_completion_tokens, "
+                          "max_output_tokens), on every endpoint, as llama-server's -n; a preset's max_tokens "
+                          "wins over it (default: the rest of the context, as vLLM and llama-server)")
     speculative: Literal["off", SpeculativeMethod] | None = Field(
         None, description="speculative decoding: ngram (prompt lookup: drafts copied from the prompt and output so "
                           "far) or draft (a draft model, see draft_model); default: draft with a draft model, else off")

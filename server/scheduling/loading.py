@@ -131,6 +131,7 @@ def model_state(settings: Settings, runner: Runner | ServedModel, pool: Pool,
     return ModelState(model_id=model_id, model=served, pool=pool, fingerprint=f"fp_{digest}",
                       created=int(time.time()), max_prompt_tokens=settings.max_prompt_tokens,
                       stream_timeout=settings.stream_timeout, stream_interval=settings.stream_interval,
+                      max_tokens_default=settings.max_tokens_default,
                       parse_special_in_messages=settings.parse_special_in_messages, grammars=grammars,
                       embeddings=settings.embeddings or runner.is_encoder, pooling=settings.pooling,
                       preset=get_preset(settings.preset) if settings.preset is not None else None)

@@ -115,3 +115,4 @@ class ModelState:
     embeddings: bool = False              # serves POST /v1/embeddings (an encoder always; a decoder with --embeddings)
     pooling: str | None = None            # the embeddings' pooling (None: the runner's own)
     preset: Preset | None = None          # the server's preset (--preset): requests start from its values
+    max_tokens_default: int | None = None  # a request's output budget when it and its presets set none

@@ -128,14 +128,15 @@ class OpenAIServing:
 
     def completion_budget(self, req: OpenAIRequest, prompt_len: int, *fields: str) -> int:
         """The completion budget of a prompt: the first of `fields` the request sets, else its preset's (or the
-        server's) max_tokens clipped to the context, else the first field's own default (None: the rest of the
-        context); checked against the context as `max_tokens` checks it."""
+        server's preset's) max_tokens, else the server's --max-tokens-default, clipped to the context, else the
+        first field's own default (None: the rest of the context); checked against the context as `max_tokens`
+        checks it."""
         for name in fields:
             if name in req.model_fields_set and getattr(req, name) is not None:
                 return self.max_tokens(prompt_len, getattr(req, name))
-        preset_budget = self.defaults(req).get("max_tokens")
-        if preset_budget is not None:
-            return min(preset_budget, self.max_tokens(prompt_len, None))
+        default_budget = self.defaults(req).get("max_tokens") or self.state.max_tokens_default
+        if default_budget is not None:
+            return min(default_budget, self.max_tokens(prompt_len, None))
         return self.max_tokens(prompt_len, getattr(req, fields[0]))
 
     def logit_bias(self, req: OpenAIRequest) -> dict[int, float]:
