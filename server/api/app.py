@@ -132,6 +132,10 @@ def create_app(settings: Settings, engine: tuple[Any, ServedModel] | None = None
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         loading = asyncio.create_task(_load_in_background(app, settings, engine, start_fronts))
+        if engine is not None:
+            # One of several HTTP processes: attaching to the loaded engine is quick, and done before this one takes
+            # connections on the shared port, so none of them lands on a process that would answer "loading".
+            await asyncio.shield(loading)
         try:
             yield
         finally:
