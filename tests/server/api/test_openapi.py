@@ -36,6 +36,7 @@ STATUSES = {
     ("GET", "/livez"): {"200"},
     ("GET", "/health"): {"200", "503"},
     ("GET", "/metrics"): {"200"},
+    ("GET", "/version"): {"200"},
     ("GET", "/v1/models"): {"200", "503"},
     ("GET", "/v1/models/{model_id}"): {"200", "404", "503"},
     ("POST", "/v1/chat/completions"): {"200", "400", "404", "413", "429", "503"},
