@@ -13,6 +13,10 @@ from engine.errors import (ContextLengthError, EngineError, ModelFormatError, Mo
                            UnsupportedModelError)
 from engine.registry import KNOWN_MODELS, available_models
 
+if TYPE_CHECKING:  # what __getattr__ loads, for type checkers
+    from engine.loader.load import load_runner
+    from engine.runtime.runner import Runner, SessionSnapshot
+
 _LAZY = {"load_runner": "engine.loader.load", "Runner": "engine.runtime.runner",
          "SessionSnapshot": "engine.runtime.runner"}
 

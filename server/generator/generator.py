@@ -335,7 +335,8 @@ class GeneratorBuilder:
         if settings.model in KNOWN_MODELS and not is_generator_model(settings.model):
             raise ValueError(f"{settings.model} is an encoder: it embeds, it does not generate")
         if self._offline:
-            _check_local(settings.model)
+            # refuse what would need fetching: ModelNotInstalledError (with the install command), ModelFormatError
+            model_path(settings.model)
         progress = no_progress if self._quiet else None
         state = await in_own_thread(lambda: load_model(settings, progress=progress, prepare_grammars=False),
                                      stop_workers)
@@ -344,11 +345,6 @@ class GeneratorBuilder:
     def build_sync(self) -> SyncGenerator:
         """A `SyncGenerator`: the same generator for scripts, run on an event loop thread of its own."""
         return SyncGenerator(self.build())
-
-
-def _check_local(model: str) -> None:
-    """Refuse a model that would need anything fetched: a known one not installed, or a path that is missing."""
-    model_path(model)  # ModelNotInstalledError with the install command, ModelFormatError for a missing path
 
 
 class SyncGenerator:
