@@ -19,6 +19,7 @@ from server import __version__
 from server.api.errors import install_error_handlers
 from server.api.metrics import ServerMetrics
 from server.api.openapi import install_openapi
+from server.api.json_body import JsonBodies
 from server.api.paths import PathAliases
 from server.api.request_context import REQUEST_ID_HEADER, RequestContext
 from server.api.routes import router
@@ -168,7 +169,8 @@ def create_app(settings: Settings, engine: tuple[Any, ServedModel] | None = None
 
 def _add_middleware(app: FastAPI, settings: Settings) -> None:
     """Outermost first: path aliases (everything after sees the canonical path), CORS (preflights need no key),
-    request context, API key, body size."""
+    request context, API key, body size, bodies read as JSON."""
+    app.add_middleware(JsonBodies)
     app.add_middleware(BodySizeLimit, limit=settings.max_request_bytes)
     if settings.api_key is not None:
         app.add_middleware(ApiKeyAuth, api_key=settings.api_key.get_secret_value())

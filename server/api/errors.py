@@ -46,11 +46,22 @@ def error_param(errors: list[dict[str, Any]]) -> str | None:
     return _param_from_loc(common) or _param_from_loc(locs[0])
 
 
-def _validation_message(err: dict[str, Any]) -> str:
+def _where(err: dict[str, Any], body: Any) -> str:
+    """' at line L, column C' of a JSON syntax error (FastAPI gives the character offset and the document)."""
+    loc = tuple(err.get("loc", ()))
+    if len(loc) != 2 or not isinstance(loc[1], int) or not isinstance(body, str):
+        return ""
+    offset = loc[1]
+    line = body.count("\n", 0, offset) + 1
+    column = offset - (body.rfind("\n", 0, offset) + 1) + 1
+    return f" at line {line}, column {column} (character {offset})"
+
+
+def _validation_message(err: dict[str, Any], body: Any = None) -> str:
     param = _param_from_loc(tuple(err.get("loc", ())))
     msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
     if err.get("type") == "json_invalid":
-        return f"request body is not valid JSON: {err.get('ctx', {}).get('error', msg)}"
+        return f"request body is not valid JSON: {err.get('ctx', {}).get('error', msg)}{_where(err, body)}"
     if tuple(err.get("loc", ())) == ("body",):  # no body, or JSON that is not an object
         return "request body is empty: expected a JSON object" if err.get("type") == "missing" else \
             f"request body must be a JSON object: {msg}"
@@ -97,7 +108,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
-        message = "; ".join(_validation_message(e) for e in errors[:5]) or "invalid request"
+        message = "; ".join(_validation_message(e, exc.body) for e in errors[:5]) or "invalid request"
         return answer(request.app, invalid(message, param=error_param(errors)), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)

@@ -32,6 +32,7 @@ RENAMED = {"max_context": "max_model_len", "max_running": "max_num_seqs",
            "max_batched_tokens": "max_num_batched_tokens"}
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+AUTO_DEVICE = "auto"
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
 
@@ -44,6 +45,15 @@ def parse_bytes(text: str | int) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"not a memory size: {text!r} (use e.g. 512MiB, 2GiB, or bytes)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def resolve_device(value: Any) -> Any:
+    """`auto` is CUDA when torch sees a GPU, else the CPU; any other device stays as given."""
+    if isinstance(value, str) and value.strip().lower() == AUTO_DEVICE:
+        import torch  # here: reading settings (the CLI's --help, the README table) needs no torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return value
 
 
 Bytes = Annotated[int, BeforeValidator(parse_bytes)]
@@ -82,7 +92,8 @@ class Settings(BaseSettings):
     model: str = Field(DEFAULT_MODEL, description="a known model name, a .gguf file or a safetensors directory")
     host: str = Field(DEFAULT_HOST, description="address to listen on (0.0.0.0 in the container image)")
     port: int = Field(DEFAULT_PORT, ge=0, le=65535, description="port to listen on")
-    device: str = Field("cpu", description="torch device: cpu, cuda, cuda:1, ...")
+    device: Annotated[str, BeforeValidator(resolve_device)] = Field(
+        AUTO_DEVICE, validate_default=True, description="torch device: auto (CUDA when a GPU is present, else CPU), cpu, cuda, cuda:1, ...")
     dtype: Literal["float32", "bfloat16"] | None = Field(
         None, description="activations (default: bfloat16; float32 for unquantized checkpoints on CPU)")
     quant: QuantMode | None = Field(

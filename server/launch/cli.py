@@ -107,8 +107,8 @@ def _run_server(settings: Settings) -> int:
     from server.launch.lifecycle import serve_until_stopped
 
     app = create_app(settings, start_fronts=Fronts)
-    log.info("emberserve %s: loading %s on %s; will listen on http://%s:%d/v1", __version__, settings.model,
-             settings.device, settings.host, settings.port)
+    log.info("emberserve %s: loading %s on %s%s; will listen on http://%s:%d/v1", __version__, settings.model,
+             settings.device, _auto_note(settings), settings.host, settings.port)
     log.debug("settings: %r", settings)  # SecretStr: the API key shows as '**********'
     # Several HTTP processes: the port is bound here, as uvicorn's own workers do, for every one of them to share.
     serve_until_stopped(app, settings, bind=settings.api_server_count > 1)
@@ -120,6 +120,13 @@ def _run_server(settings: Settings) -> int:
         print(f"error: {state.fatal_error}", file=sys.stderr)
         return EXIT_WORKER_FAILED
     return 0
+
+
+def _auto_note(settings: Settings) -> str:
+    """Why the device is what it is, when --device was left to `auto`."""
+    if "device" in settings.model_fields_set:
+        return ""
+    return " (--device auto: " + ("a CUDA GPU is present)" if settings.device == "cuda" else "no CUDA GPU found)")
 
 
 def _presets(_: argparse.Namespace) -> int:

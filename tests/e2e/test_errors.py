@@ -254,7 +254,7 @@ def test_malformed_json_is_a_400_envelope_mentioning_json(http: httpx.Client, ra
 
 def test_body_that_is_not_a_json_object_is_a_400_envelope(http: httpx.Client) -> None:
     for r in (http.post(CHAT, json=[1, 2, 3]), http.post(CMPL, json="hello"),
-              http.post(CHAT, content=b"model=x&messages=y",  # what `curl -d` sends
+              http.post(CHAT, content=b"model=x&messages=y",  # form fields, not JSON
                         headers={"content-type": "application/x-www-form-urlencoded"}),
               http.post(CHAT, content=b"{not json")):  # no content-type at all
         error = assert_envelope(r, 400, param=None)
@@ -344,3 +344,23 @@ def test_server_still_serves_after_all_errors(client: openai.OpenAI, http: httpx
     assert out.choices[0].finish_reason in ("length", "stop") and out.usage.completion_tokens >= 1
     stream = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, stream=True, temperature=0)
     assert "".join(c.choices[0].text for c in stream if c.choices)
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None,
+                                          "text/plain; charset=utf-8"])
+def test_a_json_body_is_read_as_json_whatever_its_content_type(http: httpx.Client, content_type: str | None) -> None:
+    raw = json.dumps({"model": "smollm2-135m", "prompt": "Hello", "max_tokens": 2}).encode()
+    headers = {} if content_type is None else {"content-type": content_type}
+    r = http.post(CMPL, content=raw, headers=headers)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("content_type", ["application/json", "text/plain"])
+def test_a_json_syntax_error_says_its_line_and_column(http: httpx.Client, content_type: str) -> None:
+    raw = '{\n  "model": "smollm2-135m",\n  "messages": [{"role": "user" "content": "hi"}]\n}'
+    with pytest.raises(json.JSONDecodeError) as expected:  # the reference: Python's own parser's position
+        json.loads(raw)
+    error = assert_envelope(http.post(CHAT, content=raw.encode(), headers={"content-type": content_type}), 400,
+                            param=None)
+    assert f"line {expected.value.lineno}, column {expected.value.colno}" in error["message"], error

@@ -271,3 +271,11 @@ def test_a_taken_port_ends_the_start_at_once_with_one_line() -> None:
     assert len(lines) == 1 and lines[0].startswith("error: cannot listen on 127.0.0.1:") and str(port) in lines[0], \
         p.stderr
     assert "loading" not in p.stderr and elapsed < 20, (elapsed, p.stderr)
+
+
+def test_start_up_log_says_which_device_auto_chose(server: helpers.ServerProcess) -> None:
+    import torch
+
+    found = "a CUDA GPU is present" if torch.cuda.is_available() else "no CUDA GPU found"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert f"on {device} (--device auto: {found})" in server.log()

@@ -190,3 +190,20 @@ def test_the_old_names_of_renamed_settings_still_work(old: str, new: str, monkey
     settings_arguments(parser)
     assert getattr(parser.parse_args([flag_name(old), "32"]), new) == "32"
     assert flag_name(old) in README.read_text() and env_name(old) in README.read_text()
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_device_auto_is_cuda_exactly_when_torch_sees_a_gpu(monkeypatch: pytest.MonkeyPatch, gpu: bool) -> None:
+    import torch
+
+    from server.config.settings import device_default
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    expected = "cuda" if gpu else "cpu"
+    assert Settings().device == expected
+    assert Settings(device="auto").device == expected
+    monkeypatch.setenv("EMBERSERVE_DEVICE", "AUTO")
+    assert Settings().device == expected
+    assert Settings(device="cpu").device == "cpu" and Settings(device="cuda:1").device == "cuda:1"
+    # the device's defaults follow the device chosen
+    assert device_default(Settings(), "max_num_seqs") == (256 if gpu else 32)
