@@ -5,16 +5,16 @@ import argparse
 import sys
 import time
 
-from engine import available_models
+from engine import KNOWN_MODELS
 from engine.errors import EngineError
 from engine.config import QUANT_MODES
 from engine.registry import DEFAULT_MODEL
 
 
 def _models(_: argparse.Namespace) -> int:
-    for m in available_models():
-        state = "installed" if m["installed"] else f"not installed ({m['install']})"
-        print(f"{m['name']:<16} {m['family']:<8} {state}  {m['description']}")
+    for m in KNOWN_MODELS.values():
+        state = "installed" if m.installed() else f"not installed ({m.install})"
+        print(f"{m.name:<16} {m.family:<8} {m.kind:<9} {state}  {m.description}")
     return 0
 
 
@@ -54,9 +54,11 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_commands(sub: argparse._SubParsersAction) -> None:
-    """The engine's `models` and `generate` subcommands, for this CLI and the server's."""
-    sub.add_parser("models", help="list the known model names").set_defaults(func=_models)
+def add_commands(sub: argparse._SubParsersAction, models: bool = True) -> None:
+    """The engine's `models` and `generate` subcommands, for this CLI and the server's (`models` False: the caller
+    lists the models itself)."""
+    if models:
+        sub.add_parser("models", help="list the known model names").set_defaults(func=_models)
     gen = sub.add_parser("generate", help="greedy generation from the command line")
     gen.add_argument("--model", default=DEFAULT_MODEL, help="known model name, .gguf file or safetensors directory")
     text = gen.add_mutually_exclusive_group(required=True)

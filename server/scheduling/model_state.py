@@ -9,6 +9,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.tokenizer.tokenizer import Tokenizer
+from engine.weights.summary import WeightsSummary
 
 from server.config.presets import Preset
 from server.grammar.compiler import GrammarCompiler
@@ -89,13 +90,15 @@ class ServedModel:
     generation_defaults: dict[str, Any]
     tokenizer: Tokenizer
     blocks: CacheLayout | None
+    weights: WeightsSummary | None  # what its files say: parameter count, file type, trained context, size
+    chat_tuned: bool
 
     @classmethod
     def of(cls, runner: Any) -> ServedModel:
         blocks = None if runner.blocks is None else CacheLayout(runner.blocks.block_size, runner.blocks.prefix_caching)
         return cls(runner.name, runner.family, runner.device, runner.dtype, runner.quant, runner.deterministic,
                    runner.context_size, runner.vocab_size, runner.is_encoder, runner.embedding_size,
-                   dict(runner.generation_defaults), runner.tokenizer, blocks)
+                   dict(runner.generation_defaults), runner.tokenizer, blocks, runner.weights, runner.chat_tuned)
 
 
 @dataclass

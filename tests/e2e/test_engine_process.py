@@ -344,6 +344,14 @@ def test_embeddings_equal_the_one_process_servers(engine: openai.OpenAI, client:
         assert got.usage.prompt_tokens == expected.usage.prompt_tokens > 0
 
 
+def test_the_model_entry_comes_over_the_pipe_as_the_one_process_servers(engine_http: httpx.Client,
+                                                                         http: httpx.Client) -> None:
+    """The HTTP process knows the model only from what the engine process sent (ServedModel): its details too."""
+    card, expected = engine_http.get("/v1/models").json()["data"][0], http.get("/v1/models").json()["data"][0]
+    assert card["details"]["parameters"] > 0 and card["details"]["chat_tuned"] is True
+    assert {**card, "created": 0} == {**expected, "created": 0}
+
+
 # ---- the engine process's end ----
 
 def test_a_killed_engine_fails_its_stream_and_the_server_exits(tmp_path: Path) -> None:

@@ -27,6 +27,8 @@ def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerP
 def test_default_format_is_int4_with_bfloat16_activations(default_server: ServerProcess) -> None:
     health = httpx.get(f"{default_server.base_url}/health").json()
     assert (health["quant"], health["dtype"], health["device"]) == ("int4", "bfloat16", "cpu")
+    details = httpx.get(f"{default_server.base_url}/v1/models").json()["data"][0]["details"]
+    assert (details["quant"], details["dtype"], details["quantization_level"]) == ("int4", "bfloat16", "Q4_1")
     assert "bfloat16 activations, int4 weights" in default_server.log()
 
 

@@ -344,12 +344,35 @@ class EmbeddingResponse(BaseModel):
     usage: EmbeddingUsage
 
 
+class ModelDetails(BaseModel):
+    """What the served model is, an entry's `details` (named as Ollama's `details` and llama-server's `meta`): read
+    from its weights files' headers and the model registry."""
+
+    family: str = Field(description="the architecture: llama, qwen2, qwen3, gemma3, bert")
+    format: Literal["gguf", "safetensors"] | None = Field(description="the weights' file format")
+    parameters: int | None = Field(description="the parameter count: every weight tensor's elements (llama-server's "
+                                               "n_params)")
+    parameter_size: str | None = Field(description="the parameter count, rounded as Ollama shows it: 135M, 8.03B")
+    quantization_level: str | None = Field(
+        description="the weights' type in the file, as llama.cpp and Ollama name it: the GGUF file type (Q4_1, "
+                    "Q4_K_M, Q8_0, F16, ...) or a safetensors checkpoint's dtype (BF16, F32, ...)")
+    quant: str = Field(description="how the weights are held in memory while served: none (dtype), int8 or int4")
+    dtype: str = Field(description="the compute dtype: float32, bfloat16, ...")
+    context_length: int | None = Field(description="the context the model was trained for (llama-server's "
+                                                   "n_ctx_train); max_model_len is what this server serves")
+    chat_tuned: bool = Field(description="tuned to chat (an instruct model): a base model only continues text and "
+                                         "an embedding model only embeds")
+    embedding: bool = Field(description="an embedding model (an encoder): it serves /v1/embeddings only")
+    size: int | None = Field(description="the weights files' size on disk, in bytes")
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "emberserve"
     max_model_len: int | None = None
+    details: ModelDetails
 
 
 class ModelList(BaseModel):

@@ -1,33 +1,75 @@
-"""`server.available_models`, `suggested_models` and `is_generator_model` over the registry and the installed
-packages (no model is loaded)."""
+"""`server.available_models`, `suggested_models`, `model_info` and `is_generator_model` over the registry and the
+installed packages (no model is loaded), and `emberserve models`, the table they make."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
+from gguf import GGUFReader
 
 import server
 from engine import KNOWN_MODELS
+from engine.registry import KnownModel
+from server.config.model_catalog import models_text
 from server.config.presets import PRESETS
 
 
-def test_available_models_describe_every_known_model_with_the_presets_recommending_it() -> None:
-    listed = {m["name"]: m for m in server.available_models()}
-    assert set(listed) == set(KNOWN_MODELS)
-    smol, minilm = listed["smollm2-135m"], listed["all-minilm-l6-v2"]
-    assert smol["installed"] and smol["generator"] and smol["memory_mib"] > 0
-    assert set(smol["presets"]) == {p.name for p in PRESETS.values() if p.model == "smollm2-135m"}
-    assert not minilm["generator"] and minilm["presets"] == []
+def test_available_models_are_the_known_names_and_model_info_describes_each() -> None:
+    assert server.available_models() == list(KNOWN_MODELS)
+    assert all(isinstance(name, str) for name in server.available_models())
+    for name in server.available_models():
+        info, known = server.model_info(name), KNOWN_MODELS[name]
+        assert isinstance(info, server.ModelInfo)
+        assert (info.name, info.family, info.install, info.memory_mib) == \
+            (name, known.family, known.install, known.memory_mib)
+        assert info.installed and info.path == known.path()  # the suite installs every known model
+        assert info.presets == tuple(p.name for p in PRESETS.values() if p.model == name)
+        assert info.parameters and info.parameters > 0 and info.context_length and info.quantization
+        files = [info.path] if info.path.is_file() else list(info.path.glob("*.safetensors"))
+        assert info.size_bytes == sum(f.stat().st_size for f in files)
 
 
-def test_suggested_models_are_installed_generators_the_presets_recommend_first() -> None:
+def test_model_info_tells_chat_base_and_embedding_models_apart() -> None:
+    smol, gemma, minilm = (server.model_info(n) for n in ("smollm2-135m", "gemma3-270m", "all-minilm-l6-v2"))
+    assert (smol.kind, smol.chat_tuned, smol.generator) == ("chat", True, True)  # SmolLM2-135M-Instruct
+    assert (gemma.kind, gemma.chat_tuned, gemma.generator) == ("base", False, True)  # gemma-3-270m, not -it
+    assert (minilm.kind, minilm.chat_tuned, minilm.generator) == ("embedding", False, False)
+    reader = GGUFReader(smol.path)
+    assert smol.parameters == sum(int(t.n_elements) for t in reader.tensors)
+    assert smol.context_length == reader.fields["llama.context_length"].contents()
+    assert (smol.quantization, gemma.quantization, minilm.quantization) == ("Q4_1", "Q4_K_M", "F32")
+    with pytest.raises(ValueError, match="unknown model 'ghost'; the known models are smollm2-135m"):
+        server.model_info("ghost")
+
+
+def test_a_model_not_installed_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    ghost = KnownModel(name="ghost-1b", family="llama", description="test", install="pip install ghost==1.0",
+                       locate=lambda: None, chat_tuned=True)
+    monkeypatch.setitem(KNOWN_MODELS, "ghost-1b", ghost)
+    info = server.model_info("ghost-1b")
+    assert not info.installed and info.path is None
+    assert (info.parameters, info.size_bytes, info.quantization, info.context_length) == (None,) * 4
+    assert "ghost-1b" in server.available_models() and "ghost-1b" not in server.suggested_models()
+    row = next(line for line in models_text().splitlines() if line.startswith("ghost-1b "))
+    assert row.split()[1:7] == ["llama", "-", "-", "-", "-", "chat"] and row.endswith("no: pip install ghost==1.0")
+
+
+def test_suggested_models_are_installed_chat_models_the_presets_recommend_first() -> None:
     suggested = server.suggested_models()
-    names = [m["name"] for m in suggested]
-    assert names[0] == "smollm2-135m"  # the smallest recommended one
-    assert "all-minilm-l6-v2" not in names
-    assert all(m["installed"] and m["generator"] for m in suggested)
-    recommended = [m for m in suggested if m["presets"]]
-    assert suggested[:len(recommended)] == recommended
-    assert [m["memory_mib"] for m in recommended] == sorted(m["memory_mib"] for m in recommended)
+    assert suggested[0] == "smollm2-135m"  # the smallest recommended one
+    assert "all-minilm-l6-v2" not in suggested and "gemma3-270m" not in suggested  # an encoder, a base model
+    assert all(isinstance(name, str) and server.model_info(name).chat_tuned for name in suggested)
+    recommended = {p.model for p in PRESETS.values()}
+    flags = [name in recommended for name in suggested]
+    assert flags == sorted(flags, reverse=True)  # the recommended ones first
+
+
+def test_an_encoder_cannot_be_declared_chat_tuned() -> None:
+    with pytest.raises(ValueError, match="an encoder cannot be chat-tuned"):
+        KnownModel(name="x", family="bert", description="", install="", locate=lambda: None, chat_tuned=True)
 
 
 def test_is_generator_model_for_names_files_and_directories(tmp_path: Path) -> None:
@@ -39,3 +81,19 @@ def test_is_generator_model_for_names_files_and_directories(tmp_path: Path) -> N
     assert server.is_generator_model(str(tmp_path))
     assert not server.is_generator_model(str(tmp_path / "missing.gguf"))
     assert not server.is_generator_model("no-such-model")
+
+
+def test_emberserve_models_prints_a_table_of_every_known_model() -> None:
+    done = subprocess.run([sys.executable, "-m", "server", "models"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    header, *rows = done.stdout.splitlines()
+    assert header.split() == ["name", "family", "parameters", "quantization", "context", "size", "kind", "installed"]
+    assert [row.split()[0] for row in rows] == list(KNOWN_MODELS)
+    for row in rows:
+        info = server.model_info(row.split()[0])
+        cells = row.split()
+        assert cells[1] == info.family and cells[3] == info.quantization and cells[4] == str(info.context_length)
+        assert f"{info.size_bytes / (1 << 20):.1f} MiB" in row and cells[-2:] == [info.kind, "yes"]
+    smol = next(row for row in rows if row.startswith("smollm2-135m "))
+    assert smol.split()[2] == "135M"  # SmolLM2-135M
+    assert [row.split()[-2] for row in rows] == ["chat", "base", "embedding"]

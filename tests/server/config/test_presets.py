@@ -47,6 +47,15 @@ def test_every_preset_is_a_valid_request_and_recommends_a_known_generator() -> N
         get_preset("nope")
 
 
+def test_every_preset_recommends_a_chat_tuned_model() -> None:
+    """The presets are chat profiles: a base model (gemma3-270m continues "What is the capital of France?" with
+    more text, it does not answer) or an encoder must never be what one recommends."""
+    for preset in PRESETS.values():
+        model = KNOWN_MODELS[preset.model]
+        assert model.chat_tuned and model.kind == "chat", f"preset {preset.name} recommends {model.name}, a " \
+                                                          f"{model.kind} model"
+
+
 def _serving(runner: Runner, server_preset: str | None) -> OpenAIServing:
     state = ModelState(model_id=MODEL, model=ServedModel.of(runner), pool=None, fingerprint="fp", created=0,  # type: ignore[arg-type]
                        preset=PRESETS[server_preset] if server_preset else None)

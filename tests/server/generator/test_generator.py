@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import pickle
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
@@ -16,7 +17,7 @@ import jsonschema
 import pytest
 
 from engine import Runner
-from server import GenerationError, Generator, SyncGenerator
+from server import GeneratedText, GenerationError, Generator, SyncGenerator
 from server.config.presets import PRESETS
 from tests.support.greedy_reference import Reference, spanning_stop
 
@@ -62,6 +63,24 @@ def test_greedy_generate_is_the_engines_greedy_reference(smollm: Runner, ref: Re
         rows = ref.logprobs(ids, expected)
         for i, (token, logprob) in enumerate(zip(expected, result.logprobs, strict=True)):
             assert logprob == pytest.approx(float(rows[i, token]), abs=1e-3)
+
+
+def test_the_result_is_the_text_as_a_str_carrying_the_generations_facts(smollm: Runner, ref: Reference) -> None:
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    result = run_with(smollm, lambda gen: gen.generate(ask), {**GREEDY, "max_tokens": 12})
+    expected = ref.generate(ref.chat_ids(ask), 12)
+    text = ref.text(expected)
+    assert isinstance(result, str) and isinstance(result, GeneratedText)
+    assert result == text and "Paris" in result and result[:5] == text[:5] and result.upper() == text.upper()
+    assert json.loads(json.dumps({"answer": result})) == {"answer": text}
+    assert type(result.text) is str and type(str(result)) is str and result.text == text and f"{result}" == text
+    assert result.token_ids == expected and len(result.logprobs) == len(expected)
+    assert result.finish_reason == ref.finish_reason(expected) and result.config.temperature == 0.0
+    assert result.prompt_tokens == len(ref.chat_ids(ask)) and result.cached_tokens >= 0
+    with pytest.raises(AttributeError, match="immutable"):
+        result.finish_reason = "length"  # type: ignore[misc]
+    again = pickle.loads(pickle.dumps(result))
+    assert again == result and again.token_ids == result.token_ids and again.config == result.config
 
 
 def test_sixteen_concurrent_calls_are_batched_and_get_what_each_gets_alone(smollm: Runner) -> None:
@@ -227,7 +246,8 @@ def test_the_builder_and_the_sync_wrapper_serve_the_real_model(smollm: Runner, r
         assert (gen.model_name, gen.device, gen.context_size, gen.vocab_size) == \
             ("smollm2-135m", "cpu", 512, smollm.vocab_size)
         assert gen.generation_config.temperature == 0.0 and gen.generation_config.max_tokens == 6
-        assert gen.generate(prompt).token_ids == expected
+        result = gen.generate(prompt)
+        assert isinstance(result, str) and result == ref.text(expected) and result.token_ids == expected
         batch = gen.generate_batch([prompt, ASK, prompt])
         assert batch[0].token_ids == batch[2].token_ids == expected
         assert batch[1].token_ids == ref.generate(ref.chat_ids(ASK), 6)
