@@ -16,7 +16,6 @@ from engine.errors import ModelFormatError
 from engine.registry import KnownModel
 from engine.tokenizer.tokenizer import pretrained_chat_template
 from engine.weights.gguf_format import GGUFFile
-from engine.weights.safetensors import shard_files
 
 # safetensors dtypes that hold weights (an integer tensor is an index buffer, such as BERT's position ids)
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
@@ -89,6 +88,8 @@ def _gguf_file_type(gguf: GGUFFile, counts: dict[str, int]) -> str:
 
 
 def _safetensors_summary(directory: Path) -> WeightsSummary:
+    from engine.weights.safetensors import shard_files  # here: it imports torch, which listing models needs not
+
     config = directory / "config.json"
     if not config.is_file():
         raise ModelFormatError(f"{directory}: not a model directory (no config.json)")
