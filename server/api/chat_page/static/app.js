@@ -102,12 +102,12 @@ function bindSettings() {
     store.saveSettings();
   });
   for (const [id, field] of [["temperature", "temperature"], ["top-p", "top_p"], ["max-tokens", "max_tokens"]]) {
-    $(id).addEventListener("change", () => {
+    $(id).addEventListener("input", () => {
       s[field] = $(id).value.trim();
       store.saveSettings();
     });
   }
-  $("system").addEventListener("change", () => {
+  $("system").addEventListener("input", () => {
     s.system = $("system").value;
     const conversation = store.current;
     if (conversation) {
@@ -413,6 +413,9 @@ async function answer(conversation) {
     setRunning(false);
     store.touch(conversation);
     if (store.current === conversation) renderAll();
+    // The button that asked (Regenerate, an edit's Send) is gone with the re-render: back to the message box, on a
+    // wide screen (on a phone, focusing it would open the keyboard over the answer).
+    if (WIDE.matches && document.activeElement === document.body) $("prompt").focus();
   }
 }
 
