@@ -95,6 +95,15 @@ def test_other_paths_are_still_error_envelopes(method: str, path: str, status: i
     _run(scenario)
 
 
+def test_the_api_documentation_is_still_served() -> None:
+    async def scenario(http: httpx.AsyncClient) -> None:
+        docs = await http.get("/docs")
+        assert docs.status_code == 200 and "swagger" in docs.text.lower(), docs.text
+        assert "/v1/presets" in (await http.get("/openapi.json")).json()["paths"]
+
+    _run(scenario)
+
+
 def test_the_package_data_ships_every_static_file() -> None:
     """A non-editable install (the container's `pip install .`) copies only what [tool.setuptools.package-data]
     names: every file under static/ must match one of its patterns."""
