@@ -9,20 +9,13 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from playwright.sync_api import Page, sync_playwright
+from playwright.sync_api import sync_playwright
 
+from tests.support.chat_page import launch, open_page, send, wait_answered
 from tests.support.server_process import start_server, stop_server
 
 DOCS = Path(__file__).resolve().parent
-CHROMIUM = "/usr/bin/chromium"
 QUESTIONS = ("Explain in two sentences what a CPU does.", "Give me a Python function that reverses a string.")
-
-
-def _ask(page: Page, text: str) -> None:
-    page.fill("#prompt", text)
-    page.press("#prompt", "Enter")
-    page.wait_for_function("() => !document.querySelector('[aria-busy=true]') && !document.getElementById('send').hidden",
-                           timeout=120_000)
 
 
 def main() -> None:
@@ -30,22 +23,21 @@ def main() -> None:
         server = start_server(Path(tmp), "--model", "smollm2-135m")
         try:
             with sync_playwright() as playwright:
-                browser = playwright.chromium.launch(executable_path=CHROMIUM)
+                browser = launch(playwright)
                 context = browser.new_context(viewport={"width": 1280, "height": 800}, color_scheme="light",
                                               device_scale_factor=1)
                 page = context.new_page()
-                page.goto(server.base_url + "/")
-                page.wait_for_selector("body.ready")
+                open_page(page, server.base_url)
                 page.select_option("#preset", "precise")
                 page.fill("#max-tokens", "160")
                 for question in QUESTIONS:
-                    _ask(page, question)
+                    send(page, question)
+                    wait_answered(page)
                 page.locator("#prompt").blur()
                 page.screenshot(path=str(DOCS / "chat-page-desktop.png"))
                 phone = context.new_page()  # the same browser storage: the same conversation
                 phone.set_viewport_size({"width": 390, "height": 844})
-                phone.goto(server.base_url + "/")
-                phone.wait_for_selector("body.ready")
+                open_page(phone, server.base_url)
                 phone.locator("#prompt").blur()
                 phone.screenshot(path=str(DOCS / "chat-page-phone.png"))
                 browser.close()

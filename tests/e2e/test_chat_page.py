@@ -16,15 +16,14 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, BrowserContext, Page, Route, sync_playwright
 
+from tests.support.chat_page import ANSWER_TIMEOUT_MS, launch, open_page, send, wait_answered
 from tests.support.server_process import ServerProcess, start_server, stop_server
 
 MODEL = "smollm2-135m"
 KEY = "page-test-key"
-CHROMIUM = Path("/usr/bin/chromium")
 KEY_STORAGE = "emberserve.chat.apiKey"
 RUNNING = "emberserve:num_requests_running"
 ABORTED = 'emberserve:request_success_total{finished_reason="abort"}'
-ANSWER_TIMEOUT_MS = 120_000
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +43,11 @@ def api(page_server: ServerProcess) -> Iterator[httpx.Client]:
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
-    if not CHROMIUM.exists():
-        pytest.fail(f"the chat page's tests need Chromium at {CHROMIUM}: apt-get install chromium")
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM))
+        try:
+            browser = launch(playwright)
+        except RuntimeError as e:  # a failure, not a skip: `make test` installs the browser
+            pytest.fail(str(e))
         yield browser
         browser.close()
 
@@ -76,11 +76,6 @@ def page(context: BrowserContext, page_server: ServerProcess) -> Iterator[Page]:
     assert not errors, errors  # no script error on the way
 
 
-def open_page(page: Page, url: str) -> None:
-    page.goto(url + "/")
-    page.wait_for_selector("body.ready")
-
-
 class Requests:
     """The chat requests the page sends, their bodies as the server receives them."""
 
@@ -95,16 +90,6 @@ class Requests:
     @property
     def last(self) -> dict[str, Any]:
         return self.bodies[-1]
-
-
-def send(page: Page, text: str) -> None:
-    page.fill("#prompt", text)
-    page.press("#prompt", "Enter")
-
-
-def wait_answered(page: Page) -> None:
-    page.wait_for_function("() => !document.querySelector('[aria-busy=true]') && !document.getElementById('send').hidden",
-                           timeout=ANSWER_TIMEOUT_MS)
 
 
 def messages(page: Page) -> list[tuple[str, ...]]:

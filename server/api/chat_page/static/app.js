@@ -24,7 +24,9 @@ function el(tag, attrs = {}, ...children) {
   for (const [name, value] of Object.entries(attrs)) {
     if (name === "class") node.className = value;
     else if (name.startsWith("on")) node.addEventListener(name.slice(2), value);
-    else if (value !== false && value !== null && value !== undefined) node.setAttribute(name, value === true ? "" : value);
+    else if (value !== false && value !== null && value !== undefined) {
+      node.setAttribute(name, value === true ? "" : value);
+    }
   }
   node.append(...children);
   return node;
