@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from server import __version__
+from server.api.chat_page.page import install_chat_page
 from server.api.errors import install_error_handlers
 from server.api.metrics import ServerMetrics
 from server.api.openapi import install_openapi
@@ -150,7 +151,9 @@ def create_app(settings: Settings, engine: tuple[Any, ServedModel] | None = None
             if state is not None:
                 state.pool.stop()
 
-    app = FastAPI(title="emberserve", version=__version__, lifespan=lifespan,
+    # No redirect_slashes: a trailing slash is dropped before routing (server/api/paths.py), and a path that only
+    # a slash more would match (/static, the chat page's folder) is a 404 envelope, not a 307 with an empty body.
+    app = FastAPI(title="emberserve", version=__version__, lifespan=lifespan, redirect_slashes=False,
                   description="An OpenAI-compatible LLM inference server with its own torch engine.")
 
     def pool_stats() -> PoolStats | None:  # what /metrics reads of the pool: nothing while the model loads
@@ -162,6 +165,7 @@ def create_app(settings: Settings, engine: tuple[Any, ServedModel] | None = None
     app.state.server = server  # the app's one state object (server/api/state.py): read it with app_state(app)
     install_error_handlers(app)
     app.include_router(router)
+    install_chat_page(app)
     install_openapi(app, api_key=settings.api_key is not None)
     _add_middleware(app, settings)
     return app

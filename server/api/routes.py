@@ -12,13 +12,15 @@ from server.errors import APIError, invalid
 from server.api.openapi import PROMETHEUS_TEXT, RETRY_AFTER, anthropic_errors, errors
 from server.api.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
     CompletionResponse, DetokenizeRequest, DetokenizeResponse, EmbeddingRequest, EmbeddingResponse, Health,
-    HealthUnavailable, Liveness, ModelCard, ModelDetails, ModelList, TokenizeRequest, TokenizeResponse, VersionInfo)
+    HealthUnavailable, Liveness, ModelCard, ModelDetails, ModelList, PresetCard, PresetList, TokenizeRequest,
+    TokenizeResponse, VersionInfo)
 from server.api.anthropic.protocol import CountTokensRequest, MessageResponse, MessagesRequest, TokenCount
 from server.api.responses.protocol import InputItemList, ResponseDeleted, ResponseObject, ResponsesRequest
 from server.api.openai.serving import check_model, check_token_ids, prompt_work
 from server.scheduling.model_state import ModelState
 from server.api.openai.chat import chat_prompt_ids
 from server.api.state import Servings, app_state
+from server.config.presets import PRESETS
 
 router = APIRouter()
 LOADING_RETRY_AFTER_S = "5"
@@ -116,6 +118,13 @@ async def list_models(request: Request) -> ModelList:
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=errors(404, 503))
 async def get_model(model_id: str, request: Request) -> ModelCard:
     return _card(_state_for(request, model_id))
+
+
+@router.get("/v1/presets", response_model=PresetList,
+            summary="the named sampling presets a request may give as `preset` (emberserve's extension)")
+async def list_presets(request: Request) -> PresetList:
+    return PresetList(data=[PresetCard(**asdict(p)) for p in PRESETS.values()],
+                      default=app_state(request.app).settings.preset)
 
 
 # 200 is a JSON body, or with `stream: true` an event stream (its event schema is added by server/api/openapi.py).

@@ -8,12 +8,18 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import APIError
+from server.api.chat_page.page import is_page_path
 from server.api.request_context import OPEN_PATHS, send_error
 
 
+def needs_key(path: str) -> bool:
+    """Whether a request for `path` must give the key (when the server has one)."""
+    return path not in OPEN_PATHS and not is_page_path(path)
+
+
 class ApiKeyAuth:
-    """Every route but the probes and /metrics needs the key, as `Authorization: Bearer <key>` (OpenAI's clients)
-    or `x-api-key: <key>` (Anthropic's); 401 in the envelope of the route's API."""
+    """Every route but the probes, /metrics and the chat page's files needs the key, as `Authorization: Bearer
+    <key>` (OpenAI's clients) or `x-api-key: <key>` (Anthropic's); 401 in the envelope of the route's API."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app, self.key = app, api_key.encode()
@@ -35,7 +41,7 @@ class ApiKeyAuth:
         return "Incorrect API key provided."
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and needs_key(scope["path"]):
             message = self._refusal(Headers(scope=scope))
             if message is not None:
                 await send_error(scope, receive, send, APIError(

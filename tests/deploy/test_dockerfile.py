@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import httpx
 import pytest
 
 from engine.registry import DEFAULT_MODEL, KNOWN_MODELS
@@ -409,7 +410,7 @@ def test_install_steps_build_the_venv_with_the_project_not_editable(image: Image
     assert out[3] == "True", out  # the model stage's package
 
 
-def test_entrypoint_serves_health_and_exits_0_on_sigterm(image: Image) -> None:
+def test_entrypoint_serves_health_and_the_chat_page_and_exits_0_on_sigterm(image: Image) -> None:
     port = free_port()
     home = Path(image.host(FINAL.workdir))
     home.mkdir(parents=True, exist_ok=True)
@@ -425,6 +426,9 @@ def test_entrypoint_serves_health_and_exits_0_on_sigterm(image: Image) -> None:
         check = [image.host(arg) for arg in healthcheck_command(FINAL)]
         healthy = subprocess.run(check, env=env, capture_output=True, text=True, timeout=30)
         assert healthy.returncode == 0, f"HEALTHCHECK failed on a ready server: {healthy.stderr}"
+        # The chat page and its vendored files come from the installed package's data, not from this checkout.
+        for path in ("/", "/static/app.js", "/static/vendor/dompurify/purify.min.js"):
+            assert httpx.get(server.base_url + path, timeout=30).status_code == 200, path
     finally:
         stop_server(server)  # SIGTERM: drain, then exit
     assert proc.returncode == 0, f"exit {proc.returncode} after SIGTERM:\n{server.log()}"

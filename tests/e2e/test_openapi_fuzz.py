@@ -29,9 +29,9 @@ from tests.support.server_process import ServerProcess, start_server, stop_serve
 
 # Examples per route and generation mode: valid requests for every route, and invalid ones (a broken body, a
 # missing or wrong key) for those that take a key; the probes have one distinct request, so they run once. That is
-# 3 + 3 + 3 + (3 + 3) + (3 + 3) + (20 + 20) + (150 + 150) * 2 + (60 + 60) + (40 + 40) + (60 + 60) = 1024 requests
-# for the chat, completions, embeddings routes and the others, and (60 + 60) * 2 + (10 + 10) * 2 + (15 + 15) + (30 + 30)
-# = 370 for the Responses and Anthropic routes (their time: bench/RESULTS.md#issue-32-openapi-fuzz-time). The
+# 3 + 3 + 3 + (3 + 3) + (3 + 3) + (3 + 3) + (20 + 20) + (150 + 150) * 2 + (60 + 60) + (40 + 40) + (60 + 60)
+# = 1030 requests for the chat, completions, embeddings routes and the others, and (60 + 60) * 2 + (10 + 10) * 2
+# + (15 + 15) + (30 + 30) = 370 for the Responses and Anthropic routes (their time: bench/RESULTS.md#issue-32-openapi-fuzz-time). The
 # summary printed at the end says how many each route ran and which statuses they got.
 EXAMPLES = {
     "GET /livez": 3,
@@ -39,6 +39,7 @@ EXAMPLES = {
     "GET /metrics": 3,
     "GET /version": 3,
     "GET /v1/models": 3,
+    "GET /v1/presets": 3,
     "GET /v1/models/{model_id}": 20,
     "POST /v1/chat/completions": 150,
     "POST /v1/completions": 150,

@@ -464,6 +464,29 @@ class VersionInfo(BaseModel):
     version: str
 
 
+class PresetCard(BaseModel):
+    """One named preset (server/config/presets.py): what a request's `"preset": name` fills in."""
+
+    name: str
+    object: Literal["preset"] = "preset"
+    description: str
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    max_tokens: int
+    model: str = Field(description="the model recommended for it (advice: a preset never changes the served model)")
+
+
+class PresetList(BaseModel):
+    """GET /v1/presets: the presets a request may name, and the one the server applies by default (--preset)."""
+
+    object: Literal["list"] = "list"
+    data: list[PresetCard]
+    default: str | None = None
+
+
 class Health(BaseModel):
     """GET /health when ready: the served model, its device and weight format, and the worker pool's figures."""
 

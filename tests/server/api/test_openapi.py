@@ -38,6 +38,7 @@ STATUSES = {
     ("GET", "/metrics"): {"200"},
     ("GET", "/version"): {"200"},
     ("GET", "/v1/models"): {"200", "503"},
+    ("GET", "/v1/presets"): {"200"},
     ("GET", "/v1/models/{model_id}"): {"200", "404", "503"},
     ("POST", "/v1/chat/completions"): {"200", "400", "404", "413", "429", "503"},
     ("POST", "/v1/completions"): {"200", "400", "404", "413", "429", "503"},

@@ -1,0 +1,1 @@
+"""The browser chat page served at `/`: static files (HTML, JS, CSS, vendored libraries) shipped in the package."""
