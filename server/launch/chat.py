@@ -7,6 +7,7 @@ once.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from contextlib import closing
 from typing import Any, TextIO
@@ -14,14 +15,12 @@ from typing import Any, TextIO
 from server.config.settings import flag_name
 from server.launch.chat_client import API_KEY_VARIABLES, HttpChat, api_key_from_environment
 from server.launch.chat_session import ChatBackend, ChatError, Conversation, EndChat, run_command
-from server.launch.checks import CommandError
+from server.launch.checks import EXIT_FAILED, EXIT_INTERRUPTED, CommandError
 from server.launch.flags import MODEL_SETTINGS, given_settings, sampling_arguments, sampling_values, settings_arguments
 from server.launch.in_process import load_generator
 from server.launch.local_chat import LocalChat
 
 DEFAULT_MAX_TOKENS = 1024
-EXIT_FAILED = 1  # the server or the model could not answer
-EXIT_INTERRUPTED = 130  # the shell's status for a command ended by Ctrl-C (128 + SIGINT)
 PROMPT, MORE = ">>> ", "... "
 BLOCK = '"""'  # opens and closes a multi-line message
 
@@ -85,6 +84,10 @@ def answer(backend: ChatBackend, conversation: Conversation, out: TextIO) -> tup
                 out.flush()
     except KeyboardInterrupt:
         stopped = True
+    except ChatError:
+        if pieces:  # the error goes on a line of its own
+            out.write("\n")
+        raise
     return "".join(pieces), stopped
 
 
@@ -119,7 +122,7 @@ def _read_message() -> str:
 
 def _interactive(backend: ChatBackend, conversation: Conversation) -> int:
     try:
-        import readline  # noqa: F401  (line editing and history for input(), where the platform has it)
+        importlib.import_module("readline")  # line editing and history for input(), where the platform has it
     except ImportError:
         pass
     print(f"chatting with {backend.model}; /help lists the commands, /quit or Ctrl-D leaves")
@@ -147,7 +150,10 @@ def _interactive(backend: ChatBackend, conversation: Conversation) -> int:
             reply, stopped = answer(backend, conversation, sys.stdout)
         except ChatError as e:
             conversation.turns.pop()  # unanswered: as if it had not been sent
-            print(f"\nerror: {e}", file=sys.stderr)
+            print(f"error: {e}", file=sys.stderr)
             continue
-        conversation.turns.append({"role": "assistant", "content": reply})
+        if reply or not stopped:
+            conversation.turns.append({"role": "assistant", "content": reply})
+        else:  # stopped before anything came: as if it had not been sent
+            conversation.turns.pop()
         print("\n(stopped)" if stopped else "")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Generator
 from typing import Any
 
 import httpx
@@ -66,7 +66,7 @@ class HttpChat:
             raise ChatError(f"{self.root} serves no model")
         return str(models[0])
 
-    def stream(self, messages: list[dict[str, str]], options: dict[str, Any]) -> Iterator[str]:
+    def stream(self, messages: list[dict[str, str]], options: dict[str, Any]) -> Generator[str, None, None]:
         """The answer's text in pieces; leaving early (closing the iterator, Ctrl-C) closes the connection, which
         cancels the generation on the server."""
         body = {"model": self.model, "messages": messages, **options, "stream": True}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -20,7 +20,7 @@ HELP = '''Type a message and press Enter; the answer streams as it comes.
   /save FILE  write the conversation (system prompt, messages, values) to FILE as JSON
   /help      this text
   /quit      leave (also /exit, or Ctrl-D)
-  Ctrl-C     during an answer: stop it (the server stops generating; what came stays in the conversation);
+  Ctrl-C     during an answer: stop it (its generation ends; what came of it stays in the conversation);
              at the prompt: clear the line'''.format(names=", ".join(SAMPLING_OPTIONS))
 
 
@@ -37,7 +37,7 @@ class ChatBackend(Protocol):
 
     model: str
 
-    def stream(self, messages: list[dict[str, str]], options: dict[str, Any]) -> Iterator[str]:
+    def stream(self, messages: list[dict[str, str]], options: dict[str, Any]) -> Generator[str, None, None]:
         """The answer to `messages` in pieces as they come (ChatError when it fails); closing the iterator early
         stops the generation."""
         ...

@@ -12,10 +12,12 @@ from engine.registry import model_path
 
 from server.config.settings import SELF_DRAFTS, Settings, env_name, flag_name
 
+EXIT_FAILED = 1  # a command that ran could not do its work (say, the chat's server refused it)
 EXIT_USAGE = 2
 EXIT_LOAD_FAILED = 3
 EXIT_WORKER_FAILED = 4
 EXIT_PORT_IN_USE = 5
+EXIT_INTERRUPTED = 130  # the shell's status for a command ended by Ctrl-C (128 + SIGINT)
 
 
 class CommandError(Exception):

@@ -15,8 +15,8 @@ from server import __version__
 from server.config.presets import presets_text
 from server.config.settings import Settings, env_name
 from server.launch.chat import add_chat_command
-from server.launch.checks import (EXIT_LOAD_FAILED, EXIT_PORT_IN_USE, EXIT_WORKER_FAILED, CommandError, bind_error,
-                                  check_loadable, settings_from)
+from server.launch.checks import (EXIT_INTERRUPTED, EXIT_LOAD_FAILED, EXIT_PORT_IN_USE, EXIT_WORKER_FAILED,
+                                  CommandError, bind_error, check_loadable, settings_from)
 from server.launch.flags import given_settings, settings_arguments
 from server.launch.generate import add_generate_command
 from server.logs import configure_logging
@@ -104,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         for line in e.lines:
             print(f"error: {line}", file=sys.stderr)
         return e.status
+    except KeyboardInterrupt:  # Ctrl-C while a command loads or runs: it ends, without a traceback
+        print(file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

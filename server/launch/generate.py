@@ -9,11 +9,9 @@ from typing import Any
 
 from engine.__main__ import add_prompt_arguments
 
-from server.launch.checks import CommandError
+from server.launch.checks import EXIT_FAILED, EXIT_INTERRUPTED, CommandError
 from server.launch.flags import MODEL_SETTINGS, sampling_arguments, sampling_values, settings_arguments
 from server.launch.in_process import load_generator
-
-EXIT_INTERRUPTED = 130  # the shell's status for a command ended by Ctrl-C (128 + SIGINT)
 
 
 def add_generate_command(sub: argparse._SubParsersAction) -> None:
@@ -64,9 +62,9 @@ def _generate(args: argparse.Namespace) -> int:
             print()
             return EXIT_INTERRUPTED
         except GenerationError as e:
-            raise CommandError(e.message, status=1) from None
+            raise CommandError(e.message, status=EXIT_FAILED) from None
+        elapsed = time.perf_counter() - t0
         print()
-    elapsed = time.perf_counter() - t0
     rate = (count - 1) / (elapsed - (first - t0)) if first is not None and count > 1 else 0.0
     print(f"generated {count} tokens in {elapsed:.2f}s (first token {1000 * ((first or t0) - t0):.0f} ms, "
           f"{rate:.1f} tokens/s; finish reason {finish})", file=sys.stderr)

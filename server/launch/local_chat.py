@@ -1,7 +1,7 @@
 """`LocalChat`: the chat's answers from a model run in this process (the in-process `Generator`)."""
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 from server.launch.chat_session import ChatError
@@ -17,7 +17,7 @@ class LocalChat:
         self.generator = generator
         self.model = generator.model_name
 
-    def stream(self, messages: list[dict[str, str]], options: dict[str, Any]) -> Iterator[str]:
+    def stream(self, messages: list[dict[str, str]], options: dict[str, Any]) -> Generator[str, None, None]:
         """The answer's text in pieces; leaving early (closing the iterator, Ctrl-C) cancels the generation."""
         from server.generator.config import GenerationError  # loaded with the generator
 
