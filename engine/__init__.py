@@ -9,7 +9,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 from engine.config import ModelConfig
-from engine.errors import (ContextLengthError, EngineError, ModelFormatError, ModelNotInstalledError,
+from engine.errors import (ContextLengthError, DeviceError, EngineError, ModelFormatError, ModelNotInstalledError,
                            UnsupportedModelError)
 from engine.registry import KNOWN_MODELS, available_models
 
@@ -21,7 +21,7 @@ _LAZY = {"load_runner": "engine.loader.load", "Runner": "engine.runtime.runner",
          "SessionSnapshot": "engine.runtime.runner"}
 
 __all__ = [
-    "ContextLengthError", "EngineError", "KNOWN_MODELS", "ModelConfig", "ModelFormatError", "ModelNotInstalledError",
+    "ContextLengthError", "DeviceError", "EngineError", "KNOWN_MODELS", "ModelConfig", "ModelFormatError", "ModelNotInstalledError",
     "Runner", "SessionSnapshot", "UnsupportedModelError", "available_models", "load_runner",
 ]
 

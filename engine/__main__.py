@@ -5,16 +5,16 @@ import argparse
 import sys
 import time
 
-from engine import KNOWN_MODELS
+from engine import available_models
 from engine.errors import EngineError
 from engine.config import QUANT_MODES
 from engine.registry import DEFAULT_MODEL
 
 
 def _models(_: argparse.Namespace) -> int:
-    for m in KNOWN_MODELS.values():
-        state = "installed" if m.installed() else f"not installed ({m.install})"
-        print(f"{m.name:<16} {m.family:<8} {m.kind:<9} {state}  {m.description}")
+    for m in available_models():
+        state = "installed" if m["installed"] else f"not installed ({m['install']})"
+        print(f"{m['name']:<16} {m['family']:<8} {state}  {m['description']}")
     return 0
 
 
@@ -54,17 +54,25 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_commands(sub: argparse._SubParsersAction, models: bool = True) -> None:
-    """The engine's `models` and `generate` subcommands, for this CLI and the server's (`models` False: the caller
-    lists the models itself)."""
-    if models:
-        sub.add_parser("models", help="list the known model names").set_defaults(func=_models)
-    gen = sub.add_parser("generate", help="greedy generation from the command line")
-    gen.add_argument("--model", default=DEFAULT_MODEL, help="known model name, .gguf file or safetensors directory")
-    text = gen.add_mutually_exclusive_group(required=True)
+def add_models_command(sub: argparse._SubParsersAction) -> None:
+    """The `models` subcommand, for this CLI and the server's."""
+    sub.add_parser("models", help="list the known model names").set_defaults(func=_models)
+
+
+def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
+    """What a one-shot generation generates from: --prompt or --chat (one is required), and --max-tokens."""
+    text = parser.add_mutually_exclusive_group(required=True)
     text.add_argument("--prompt", help="raw text prompt")
     text.add_argument("--chat", help="a user message, wrapped in the model's chat template")
-    gen.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default: 128)")
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """The engine's `models` and `generate` subcommands."""
+    add_models_command(sub)
+    gen = sub.add_parser("generate", help="greedy generation from the command line")
+    gen.add_argument("--model", default=DEFAULT_MODEL, help="known model name, .gguf file or safetensors directory")
+    add_prompt_arguments(gen)
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bfloat16, float32 for an "
                                                    "unquantized checkpoint on CPU)")

@@ -16,6 +16,10 @@ class UnsupportedModelError(EngineError):
     """The model is readable but uses an architecture or tensor type the engine does not implement."""
 
 
+class DeviceError(EngineError):
+    """A device that this machine does not have (or a name that is no device)."""
+
+
 class ModelNotInstalledError(EngineError):
     """A known model name whose package is not installed; the message says how to install it."""
 

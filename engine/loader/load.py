@@ -7,6 +7,7 @@ import torch
 
 from engine.errors import UnsupportedModelError
 from engine.loader.build import LoadOptions, build_runner, read_config
+from engine.loader.devices import check_device
 from engine.loader.tensor_parallel import launch_ranks
 from engine.parallel.sharding import check_shardable
 from engine.runtime.runner import Runner
@@ -33,6 +34,7 @@ def load_runner(source: str | os.PathLike[str], device: str | torch.device = "cp
     A BERT directory gives an encoder's Runner (embeddings only, no KV cache; pooling from its
     sentence-transformers config); the cache and quant arguments are for decoders.
     """
+    check_device(str(device))
     options = LoadOptions(str(source), str(device), dtype, max_context, kv_cache_memory, prefix_caching, quant,
                           dense_prefill, deterministic)
     if tensor_parallel_size == 1:

@@ -1,11 +1,60 @@
-"""What the command line settles before it loads anything: its exit statuses, and whether the port is free."""
+"""What the command line settles before it loads anything: its exit statuses, the settings it was given, whether
+the model and the device are there, and whether the port is free."""
 from __future__ import annotations
 
 import socket
+from typing import Any
 
+from pydantic import ValidationError
+
+from engine import DeviceError, ModelFormatError, ModelNotInstalledError
+from engine.registry import model_path
+
+from server.config.settings import SELF_DRAFTS, Settings, env_name, flag_name
+
+EXIT_FAILED = 1  # a command that ran could not do its work (say, the chat's server refused it)
+EXIT_USAGE = 2
 EXIT_LOAD_FAILED = 3
 EXIT_WORKER_FAILED = 4
 EXIT_PORT_IN_USE = 5
+EXIT_INTERRUPTED = 130  # the shell's status for a command ended by Ctrl-C (128 + SIGINT)
+
+
+class CommandError(Exception):
+    """What ends a command before it does its work: one line per problem (printed as `error: ...`, never a
+    traceback) and the exit status."""
+
+    def __init__(self, *lines: str, status: int = EXIT_USAGE) -> None:
+        super().__init__("; ".join(lines))
+        self.lines, self.status = lines, status
+
+
+def settings_from(given: dict[str, Any]) -> Settings:
+    """The Settings of these flags (and the environment), or CommandError naming each bad value's flag and
+    variable."""
+    try:
+        return Settings(**given)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            name = str(err["loc"][0]) if err["loc"] else "settings"
+            lines.append(f"{flag_name(name)} / {env_name(name)}: {err['msg']}" if name in Settings.model_fields
+                         else str(err["msg"]).removeprefix("Value error, "))
+        raise CommandError(*lines) from None
+
+
+def check_loadable(settings: Settings) -> None:
+    """CommandError unless the model (and the draft model) can be found and the device exists: settled before
+    the port is bound or anything loads, so that a start that cannot work ends at once."""
+    try:
+        model_path(settings.model)
+        if settings.draft_model is not None and settings.draft_model not in SELF_DRAFTS:
+            model_path(settings.draft_model, "draft model", also=tuple(SELF_DRAFTS))
+        from engine.loader.devices import check_device  # torch: only once the flags are known to be good
+
+        check_device(settings.device)
+    except (ModelNotInstalledError, ModelFormatError, DeviceError) as e:
+        raise CommandError(str(e)) from None
 
 
 def bind_error(host: str, port: int) -> OSError | None:

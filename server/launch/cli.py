@@ -1,4 +1,4 @@
-"""`emberserve serve | models | presets | generate`: the command line (also `python -m server`)."""
+"""`emberserve serve | models | presets | generate | chat`: the command line (also `python -m server`)."""
 from __future__ import annotations
 
 import argparse
@@ -7,51 +7,23 @@ import os
 import shutil
 import sys
 import tempfile
-from typing import Any, Literal, Optional, get_args, get_origin
 
-from pydantic import ValidationError
-
-from engine import ModelFormatError, ModelNotInstalledError
-from engine.__main__ import add_commands, run
-from engine.registry import model_path
+from engine.__main__ import run
+from engine.kernels.switches import configure as configure_kernels
 
 from server import __version__
-from engine.kernels.switches import configure as configure_kernels
 from server.config.model_catalog import models_text
 from server.config.presets import presets_text
-from server.config.settings import RENAMED, SELF_DRAFTS, Settings, env_name, flag_name
-from server.launch.checks import EXIT_LOAD_FAILED, EXIT_PORT_IN_USE, EXIT_WORKER_FAILED, bind_error
+from server.config.settings import Settings, env_name
+from server.launch.chat import add_chat_command
+from server.launch.checks import (EXIT_INTERRUPTED, EXIT_LOAD_FAILED, EXIT_PORT_IN_USE, EXIT_WORKER_FAILED,
+                                  CommandError, bind_error, check_loadable, settings_from)
+from server.launch.flags import given_settings, settings_arguments
+from server.launch.generate import add_generate_command
 from server.logs import configure_logging
 from server.scheduling.threads import cap_malloc_arenas
 
 log = logging.getLogger("emberserve")
-
-
-def _choices(annotation: Any) -> list[str] | None:
-    """The strings a Literal[...] (or Literal[...] | None) annotation allows; None for anything else."""
-    if get_origin(annotation) is Literal:
-        return [str(a) for a in get_args(annotation)]
-    for arg in get_args(annotation):
-        if get_origin(arg) is Literal:
-            return _choices(arg)
-    return None
-
-
-def settings_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per Settings field; a flag left out leaves the environment variable or the default in force."""
-    for name, info in Settings.model_fields.items():
-        help_text = f"{info.description} [env {env_name(name)}]".replace("%", "%%")
-        if info.annotation in (bool, Optional[bool]):
-            parser.add_argument(flag_name(name), dest=name, action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS, help=help_text)
-        else:
-            parser.add_argument(flag_name(name), dest=name, default=argparse.SUPPRESS, choices=_choices(info.annotation),
-                                help=help_text)
-    parser.add_argument("--no-prefix-cache", dest="prefix_caching", action="store_false", default=argparse.SUPPRESS,
-                        help="the same as --no-prefix-caching")
-    for old, new in RENAMED.items():  # the settings' old names, before they took vLLM's
-        parser.add_argument(flag_name(old), dest=new, default=argparse.SUPPRESS,
-                            help=f"the same as {flag_name(new)} (its old name)")
 
 
 def apply_kernel_switches(settings: Settings) -> None:
@@ -64,22 +36,8 @@ def apply_kernel_switches(settings: Settings) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     cap_malloc_arenas()
-    given = {name: value for name, value in vars(args).items() if name in Settings.model_fields}
-    try:
-        settings = Settings(**given)
-    except ValidationError as e:
-        for err in e.errors():
-            name = str(err["loc"][0]) if err["loc"] else "settings"
-            print(f"error: {flag_name(name)} / {env_name(name)}: {err['msg']}", file=sys.stderr)
-        return 2
-    # Fail before binding the port when there is clearly nothing to load.
-    try:
-        model_path(settings.model)
-        if settings.draft_model is not None and settings.draft_model not in SELF_DRAFTS:
-            model_path(settings.draft_model, "draft model", also=tuple(SELF_DRAFTS))
-    except (ModelNotInstalledError, ModelFormatError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    settings = settings_from(given_settings(args))
+    check_loadable(settings)  # fail before binding the port when there is clearly nothing to load
     configure_logging(settings.log_level, settings.log_format)
     listen_error = bind_error(settings.host, settings.port)
     if listen_error is not None:
@@ -151,8 +109,18 @@ def main(argv: list[str] | None = None) -> int:
         func=_presets)
     sub.add_parser("models", help="list the known models: family, parameters, quantization, context, size, "
                                   "chat/base/embedding, installed or how to install").set_defaults(func=_models)
-    add_commands(sub, models=False)
-    return run(parser.parse_args(argv))
+    add_generate_command(sub)
+    add_chat_command(sub)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except CommandError as e:
+        for line in e.lines:
+            print(f"error: {line}", file=sys.stderr)
+        return e.status
+    except KeyboardInterrupt:  # Ctrl-C while a command loads or runs: it ends, without a traceback
+        print(file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":
