@@ -34,3 +34,21 @@ def test_a_cuda_server_under_128_clients_leaves_nothing_behind(tmp_path, flags) 
         (verdict, result.failures[:5], result.__dict__["health"])
     assert result.outcomes["ok"] > 300 and result.outcomes["left"] > 60, result.outcomes
     assert "Traceback" not in srv.log(), srv.log()[-3000:]
+
+
+def test_device_auto_serves_on_the_gpu_and_says_so(tmp_path) -> None:
+    """No --device: the default `auto` finds the GPU, the defaults for a GPU follow, and the start-up log says why."""
+    import httpx
+
+    model = write_model_dir(SMALL, tmp_path / "model", device="cuda")
+    srv = start_server(tmp_path, "--model", str(model.path), "--served-model-name", soak.MODEL)
+    try:
+        health = httpx.get(f"{srv.base_url}/health", timeout=10).json()
+        answer = httpx.post(f"{srv.base_url}/v1/completions", timeout=60,
+                            json={"model": soak.MODEL, "prompt": [1, 2, 3], "max_tokens": 4}).json()
+    finally:
+        stop_server(srv)
+    assert health["device"].startswith("cuda"), health
+    assert "on cuda (--device auto: a CUDA GPU is present)" in srv.log()
+    assert "the engine runs in process" in srv.log()  # a GPU's default: the engine in a process of its own
+    assert answer["usage"]["completion_tokens"] == 4, answer
