@@ -120,6 +120,10 @@ class ChatMessage(BaseModel):
     name: Text | None = None
     tool_calls: list[ToolCall] | None = None  # assistant messages
     tool_call_id: Text | None = None          # tool messages: the call this is the result of
+    # An earlier answer's thinking, given back to the template (vLLM's and DeepSeek's names); templates that drop
+    # old thinking keep dropping it.
+    reasoning_content: Text | None = None
+    reasoning: Text | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -211,6 +215,15 @@ class ChatCompletionRequest(StructuredRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
+    # Reasoning models: the thinking is in `message.reasoning` (and `reasoning_content`), apart from the answer.
+    include_reasoning: bool = Field(True, description="false drops the thinking from the response (it is still "
+                                                      "generated and counted)")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="variables for the chat template, e.g. {\"enable_thinking\": false}; over the server's")
+    thinking_token_budget: int | None = Field(
+        None, ge=0, description="thinking tokens before the closing tag is forced (0: answer at once)")
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
+        None, description="a thinking budget by name: none and minimal 0, low 512, medium 2048, high no limit")
 
 
 class CompletionRequest(StructuredRequest):
@@ -262,6 +275,7 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: dict[str, int] | None = None
+    completion_tokens_details: dict[str, int] | None = None  # reasoning_tokens: the thinking's share
 
 
 class TopLogprob(BaseModel):
@@ -283,6 +297,9 @@ class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = None
+    # A reasoning model's thinking, under both names clients read (vLLM's current one, DeepSeek's and llama-server's)
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChoice(BaseModel):
