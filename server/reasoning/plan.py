@@ -5,14 +5,28 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Literal, get_args
 
 from server.reasoning.formats import ReasoningFormat, opens_thinking, tag_ids
 
 # The prompt's last tokens, decoded, tell whether the template opened the thinking (the generation prompt's end).
 PROMPT_TAIL_TOKENS = 32
-# Thinking budgets of the reasoning efforts (OpenAI's `reasoning_effort` / Responses' `reasoning.effort`): tokens
-# of thinking before the closing tag is forced; None: no limit.
-EFFORT_BUDGETS: dict[str, int | None] = {"none": 0, "minimal": 0, "low": 512, "medium": 2048, "high": None}
+# The reasoning efforts (OpenAI's `reasoning_effort`, the Responses API's `reasoning.effort`) and their thinking
+# budgets: tokens of thinking before the closing tag is forced; None: no limit.
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+EFFORT_BUDGETS: dict[str, int | None] = {"none": 0, "minimal": 0, "low": 512, "medium": 2048, "high": None,
+                                         "xhigh": None, "max": None}
+assert set(EFFORT_BUDGETS) == set(get_args(ReasoningEffort))
+
+
+def efforts_described() -> str:
+    """The efforts and their budgets, for the fields' descriptions: "none, minimal 0; low 512; ...; high, ... no
+    limit"."""
+    groups: dict[int | None, list[str]] = {}
+    for name, budget in EFFORT_BUDGETS.items():
+        groups.setdefault(budget, []).append(name)
+    return "; ".join(f"{', '.join(names)} {'no limit' if budget is None else budget}"
+                     for budget, names in groups.items())
 
 
 class Phase(IntEnum):

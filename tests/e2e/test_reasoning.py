@@ -1,56 +1,35 @@
 """A reasoning model behind a real server: the thinking apart from the answer in chat (streamed and not), its
 token count, its budget, structured outputs after it, and the chat template's switches.
 
-The model is a tiny random Qwen3 whose vocabulary has `<think>` and `</think>`; served with a template that opens
-the thinking in the prompt (as DeepSeek-R1's does), everything it writes is thinking until the budget forces the
-closing tag: a random model's output, made deterministic by greedy decoding.
+The model is `tests.support.reasoning_model`'s (the fixtures are in conftest.py): a tiny random Qwen3 whose
+vocabulary has `<think>` and `</think>`; served with a template that opens the thinking in the prompt (as
+DeepSeek-R1's does), everything it writes is thinking until the budget forces the closing tag: a random model's
+output, made deterministic by greedy decoding.
 """
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import jsonschema
 import openai
 import pytest
 
-from tests.support.server_process import ServerProcess, start_server, stop_server
-from tests.support.tiny_models import build_tiny_model
-
-THINK, END = 3, 4  # the tiny vocabulary's <think> and </think>
-R1_TEMPLATE = ("{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + "
-               "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}"
-               "{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}")
-ASK = [{"role": "user", "content": "The quick brown fox"}]
+from tests.support.reasoning_model import ASK
+from tests.support.server_process import ServerProcess
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model("qwen3_thinking", tmp_path_factory.mktemp("thinking")).safetensors_dir
-
-
-def _serve(tmp: Path, model: Path, *args: str) -> Iterator[ServerProcess]:
-    srv = start_server(tmp, "--model", str(model), "--dtype", "float32", *args)
-    yield srv
-    stop_server(srv)
-
-
-@pytest.fixture(scope="module")
-def r1(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[openai.OpenAI]:
+def r1(r1_server: ServerProcess) -> Iterator[openai.OpenAI]:
     """The model with a template that opens the thinking in the prompt (--chat-template)."""
-    tmp = tmp_path_factory.mktemp("r1")
-    template = tmp / "r1.jinja"
-    template.write_text(R1_TEMPLATE)
-    for srv in _serve(tmp, model_dir, "--chat-template", str(template)):
-        yield openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="-", max_retries=0, timeout=60)
+    yield openai.OpenAI(base_url=f"{r1_server.base_url}/v1", api_key="-", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")
-def qwen3(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[ServerProcess]:
+def qwen3(qwen3_server: ServerProcess) -> ServerProcess:
     """The model with its own (Qwen3's) template."""
-    yield from _serve(tmp_path_factory.mktemp("qwen3"), model_dir)
+    return qwen3_server
 
 
 def _chat(client: openai.OpenAI, **extra: object):

@@ -9,6 +9,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from server.config.presets import PresetName
 from server.sampling.sampler import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, logit_bias_entry
 from server.config.settings import SpeculativeMethod
+from server.reasoning.plan import ReasoningEffort, efforts_described
 
 
 # Numbers OpenAI documents as limits.
@@ -222,8 +223,8 @@ class ChatCompletionRequest(StructuredRequest):
         None, description="variables for the chat template, e.g. {\"enable_thinking\": false}; over the server's")
     thinking_token_budget: int | None = Field(
         None, ge=0, description="thinking tokens before the closing tag is forced (0: answer at once)")
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
-        None, description="a thinking budget by name: none and minimal 0, low 512, medium 2048, high no limit")
+    reasoning_effort: ReasoningEffort | None = Field(
+        None, description=f"a thinking budget by name (thinking tokens): {efforts_described()}")
 
 
 class CompletionRequest(StructuredRequest):
