@@ -34,27 +34,42 @@ log = logging.getLogger("emberserve.serving")
 
 @dataclass
 class ChatOutcome:
-    """What one generated choice came to: its text, why it ended and the token counts."""
+    """What one generated choice came to: its answer and thinking, why it ended and the token counts."""
 
-    text: str = ""
+    text: str = ""                        # the answer (a reasoning model's output past its thinking)
+    reasoning: str = ""                   # a reasoning model's thinking
     finish_reason: str | None = None      # "stop" or "length", as on the chat path
     stop_reason: str | int | None = None  # with "stop": the stop string, or the end token's id
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    reasoning_tokens: int = 0             # the completion tokens spent thinking
     done: bool = False
 
-    def add(self, event: object) -> str:
-        """Take one event of the generation; the new text it brings."""
+    def add(self, event: object) -> Piece:
+        """Take one event of the generation; the new thinking and answer text it brings."""
         if isinstance(event, ChoiceDelta):
             self.text += event.text
+            self.reasoning += event.reasoning
             if event.finish_reason is not None:
                 self.finish_reason, self.stop_reason = event.finish_reason, event.stop_reason
-            return event.text
+            return Piece(event.reasoning, event.text)
         if isinstance(event, GenerationDone):
             self.prompt_tokens, self.completion_tokens = event.prompt_tokens, event.completion_tokens
-            self.cached_tokens, self.done = event.cached_tokens, True
-        return ""
+            self.cached_tokens, self.reasoning_tokens = event.cached_tokens, event.reasoning_tokens
+            self.done = True
+        return Piece()
+
+
+@dataclass
+class Piece:
+    """New output of a choice: thinking, then answer (the thinking always ends before the answer begins)."""
+
+    reasoning: str = ""
+    text: str = ""
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.text)
 
 
 def renamed_param(param: str | None, names: dict[str, str]) -> str | None:
@@ -89,16 +104,18 @@ class ChatMappedServing(OpenAIServing):
     # The chat request's fields as this endpoint calls them, for the errors the chat path raises.
     field_names: dict[str, str] = {}
 
-    async def coalesced_text(self, gen: Generation, outcome: ChatOutcome) -> AsyncIterator[str]:
-        """The generation's new text for a stream, `outcome` taking every event: everything already waiting is read
-        before a piece is given, so a reader that falls behind gets one piece for several tokens."""
-        pending = ""
+    async def coalesced(self, gen: Generation, outcome: ChatOutcome) -> AsyncIterator[Piece]:
+        """The generation's new output for a stream, `outcome` taking every event: everything already waiting is
+        read before a piece is given, so a reader that falls behind gets one piece for several tokens."""
+        pending = Piece()
         async with aclosing(self.events([gen])) as events:
             async for _, event in events:
-                pending += outcome.add(event)
+                new = outcome.add(event)
+                pending.reasoning += new.reasoning
+                pending.text += new.text
                 if pending and gen.channel.empty():
                     yield pending
-                    pending = ""
+                    pending = Piece()
         if pending:
             yield pending
 
@@ -129,7 +146,7 @@ class ChatMappedServing(OpenAIServing):
         """The chat's prompt ids (the chat template with the tools, off the event loop)."""
         with self.own_field_names():
             return await prompt_work(chat_prompt_ids, self.state, chat.messages, chat.add_generation_prompt,
-                                           tools)
+                                           tools, chat.chat_template_kwargs)
 
     async def start(self, chat: ChatCompletionRequest, rid: str, arrival: float) -> tuple[Generation, ToolPlan | None]:
         """The chat's Generation, queued for a worker (429 when the queue is full), and the tool plan its output

@@ -1,12 +1,14 @@
-"""A choice's output as the blocks the Responses and Messages APIs answer with: runs of text and tool calls, in the
-order the model wrote them, as they stream.
+"""A choice's output as the blocks the Responses and Messages APIs answer with: a reasoning model's thinking, then runs
+of text and tool calls, in the order the model wrote them, as they stream.
 
-`OutputBlocks.push(text)` takes the next generated text and says what it changed: a block opened, text (or a
-call's argument fragment) added to it, a block closed. With a tool plan the text goes through the chat path's
-`ToolCallParser`, one character at a time so that text and calls keep their order, and a call's fragments are
-exactly the ones chat streams as `delta.tool_calls`: they concatenate to its arguments. Whitespace before a text
-block is held until text follows (whitespace around calls makes no block), and an output with no block at all is
-one text block, so that a plain answer always has its text block (chat's rule: content is null only beside calls).
+`OutputBlocks.push(text, reasoning)` takes the next generated thinking and answer text and says what it changed: a block
+opened, text (or a call's argument fragment) added to it, a block closed. Thinking makes a reasoning block (the first:
+the thinking ends before the answer begins), which stays open until the answer's first block opens. With a tool plan the
+text goes through the chat path's `ToolCallParser`, one character at a time so that text and calls keep their order, and
+a call's fragments are exactly the ones chat streams as `delta.tool_calls`: they concatenate to its arguments.
+Whitespace before a text block is held until text follows (whitespace around calls makes no block), and an output with
+no answer block (none at all, or only thinking) gets one text block, so that a plain answer always has its text block
+(chat's rule: content is null only beside calls).
 """
 from __future__ import annotations
 
@@ -23,8 +25,8 @@ __all__ = ["BlockEvent", "OutputBlock", "OutputBlocks", "call_input"]
 
 @dataclass
 class OutputBlock:
-    kind: Literal["text", "call"]
-    text: str = ""     # the text, or a call's arguments (JSON) as the model wrote them
+    kind: Literal["reasoning", "text", "call"]
+    text: str = ""     # the text (the thinking's, for reasoning), or a call's arguments (JSON) as the model wrote them
     call_id: str = ""  # calls only
     name: str = ""     # calls only
 
@@ -63,12 +65,21 @@ class OutputBlocks:
         return "".join(b.text for b in self.blocks if b.kind == "text")
 
     @property
+    def reasoning(self) -> str:
+        """The thinking."""
+        return "".join(b.text for b in self.blocks if b.kind == "reasoning")
+
+    @property
     def calls(self) -> list[OutputBlock]:
         return [b for b in self.blocks if b.kind == "call"]
 
-    def push(self, text: str) -> list[BlockEvent]:
-        """The changes that `text`, the next piece of the output, makes."""
+    def push(self, text: str, reasoning: str = "") -> list[BlockEvent]:
+        """The changes that the next piece of the output makes: `reasoning`, thinking, then `text`, answer."""
         events: list[BlockEvent] = []
+        if reasoning:
+            if self._open is None or self._open.kind != "reasoning":
+                self._start(OutputBlock("reasoning"), events)
+            self._add(reasoning, events)
         if self._parser is None:
             self._text(text, events)
         else:
@@ -85,7 +96,7 @@ class OutputBlocks:
             content, deltas = self._parser.finish()
             self._text(content, events)
             self._calls(deltas, events)
-        if not self.blocks:
+        if all(b.kind == "reasoning" for b in self.blocks):
             self._start(OutputBlock("text"), events)
             self._add(self._held, events)
         self._held = ""

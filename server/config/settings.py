@@ -5,6 +5,7 @@ validation and the README's table are all derived from its fields.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -19,6 +20,7 @@ from engine.kernels.switches import KernelSwitches
 from engine.registry import DEFAULT_MODEL
 
 from server.config.presets import PresetName
+from server.reasoning.formats import AUTO, REASONING_FORMATS, ReasoningParserName
 
 # Speculative decoding's methods: prompt lookup (n-gram) or a draft model.
 SpeculativeMethod = Literal["ngram", "draft"]
@@ -53,6 +55,30 @@ def resolve_device(value: Any) -> Any:
         import torch  # here: reading settings (the CLI's --help, the README table) needs no torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+    return value
+
+
+def _template_file(value: Any) -> Any:
+    """A chat template file must be readable text; its path is kept (read when the model loads)."""
+    if value in (None, ""):
+        return None
+    path = Path(str(value)).expanduser()
+    try:
+        path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read the chat template file {str(value)!r}: {getattr(e, 'strerror', None) or e}")
+    return str(path)
+
+
+def _json_object(value: Any) -> Any:
+    """A JSON object given as text (a flag or variable) is parsed; an object stays as it is."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError("must be a JSON object")
     return value
 
 
@@ -167,6 +193,15 @@ class Settings(BaseSettings):
     pooling: Literal["last", "mean"] | None = Field(
         None, description="how embeddings pool the hidden states: the last token's or the mean of all (default: the "
                           "model's sentence-transformers config for an encoder, last for a decoder)")
+    reasoning_parser: ReasoningParserName = Field(
+        AUTO, description="how the thinking of a reasoning model is told from its answer: auto (from the chat "
+                          "template and the vocabulary), none (the thinking stays in the answer), or a format: "
+                          + ", ".join(REASONING_FORMATS))
+    chat_template: Annotated[str | None, BeforeValidator(_template_file)] = Field(
+        None, description="a Jinja chat template file that replaces the model's own")
+    chat_template_kwargs: Annotated[dict[str, Any], NoDecode, BeforeValidator(_json_object)] = Field(
+        default_factory=dict, description="JSON object of variables every chat template render gets (a request's "
+                                          "chat_template_kwargs win), e.g. {\"enable_thinking\": false}")
     parse_special_in_messages: bool = Field(
         False, description="trusted callers only: special-token text inside chat messages (say a user's own "
                            "end-of-turn marker) becomes control tokens, as in llama-server and vLLM; off, only the "

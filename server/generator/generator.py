@@ -170,7 +170,8 @@ class Generator:
     def _prompt_ids(self, req: StructuredRequest, plan: OutputPlan) -> list[list[int]]:
         with as_generation_errors():
             if isinstance(req, ChatCompletionRequest):
-                return [chat_prompt_ids(self.state, req.messages, add_generation_prompt=True, tools=plan.tools)]
+                return [chat_prompt_ids(self.state, req.messages, add_generation_prompt=True, tools=plan.tools,
+                                        template_kwargs=req.chat_template_kwargs)]
             assert isinstance(req, CompletionRequest)
             if isinstance(req.prompt, str):
                 return [self.tokenizer.encode(req.prompt)]

@@ -50,17 +50,18 @@ JOB_FIELDS = tuple(f.name for f in fields(EmbeddingJob) if f.name not in _LOCAL_
 def encode_event(event: Any) -> Any:
     if type(event) is ChoiceDelta:
         logprobs = None if event.logprobs is None else [(lp.token, lp.logprob, lp.top) for lp in event.logprobs]
-        return (event.index, event.text, event.tokens, logprobs, event.finish_reason, event.stop_reason, event.at)
+        return (event.index, event.text, event.tokens, logprobs, event.finish_reason, event.stop_reason, event.at,
+                event.reasoning)
     return event  # the rare ones (prompt logprobs, done, failed, embeddings) pickle as they are
 
 
 def decode_event(item: Any) -> Any:
     if type(item) is not tuple:
         return item
-    index, text, tokens, logprobs, finish, stop, at = item
+    index, text, tokens, logprobs, finish, stop, at, reasoning = item
     if logprobs is not None:
         logprobs = [PositionLogprobs(token, logprob, top) for token, logprob, top in logprobs]
-    return ChoiceDelta(index, text, tokens, logprobs, finish, stop, at)
+    return ChoiceDelta(index, text, tokens, logprobs, finish, stop, at, reasoning)
 
 
 def is_final(event: Any) -> bool:

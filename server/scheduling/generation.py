@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from server.grammar.compiler import CompiledGrammar
+from server.reasoning.plan import ReasoningPlan
 from server.sampling.sampler import SamplingParams
 
 
@@ -32,6 +33,7 @@ class ChoiceDelta:
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # with finish "stop": the stop string or end-token id that ended it
     at: float = field(default_factory=time.perf_counter)  # when the worker made these tokens (latency metrics)
+    reasoning: str = ""  # new thinking text (a reasoning model's; `text` is then the answer's alone)
 
 
 def merged(deltas: list[ChoiceDelta]) -> ChoiceDelta:
@@ -41,7 +43,7 @@ def merged(deltas: list[ChoiceDelta]) -> ChoiceDelta:
     last = deltas[-1]
     logprobs = None if last.logprobs is None else [lp for d in deltas for lp in d.logprobs]
     return ChoiceDelta(last.index, "".join(d.text for d in deltas), [t for d in deltas for t in d.tokens], logprobs,
-                       last.finish_reason, last.stop_reason, last.at)
+                       last.finish_reason, last.stop_reason, last.at, "".join(d.reasoning for d in deltas))
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class GenerationDone:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    reasoning_tokens: int = 0  # completion tokens spent thinking (every choice's)
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,9 @@ class Generation(Submission):
     ignore_eos: bool = False
     prompt_logprobs: int | None = None  # top-N for echoed prompt tokens; None: not wanted
     grammar: CompiledGrammar | None = None  # what every choice's output must match; None: free text
+    # The model's thinking: split from the answer, the grammar held back until it ends, its budget; None: the
+    # output is all answer.
+    reasoning: ReasoningPlan | None = None
     request_id: str = ""
     prompt_index: int = 0               # which prompt of its request this is
     # Undelivered events past which the worker pauses this generation (a client that stops reading); None: never.

@@ -8,6 +8,7 @@ import hashlib
 import logging
 import threading
 import time
+from pathlib import Path
 from collections.abc import Callable
 
 import torch
@@ -21,6 +22,7 @@ from server import __version__
 from server.config.presets import get_preset
 from server.config.settings import SELF_DRAFTS, Settings, device_default
 from server.grammar.compiler import GrammarCompiler
+from server.reasoning.formats import choose_format
 from server.scheduling.model_state import ModelState, Pool, ServedModel
 from server.scheduling.progress import LoadProgress
 from server.scheduling.worker import Worker, WorkerPool
@@ -71,6 +73,8 @@ def load_worker_runner(settings: Settings, index: int, progress: Progress) -> Ru
                          prefix_caching=settings.prefix_caching, progress=progress,
                          dense_prefill=settings.dense_prefill, deterministic=settings.deterministic,
                          tensor_parallel_size=settings.tensor_parallel_size)
+    if settings.chat_template is not None:  # --chat-template: the operator's template over the model's own
+        runner.tokenizer.set_chat_template(Path(settings.chat_template).read_text())
     blocks = runner.blocks
     if blocks is None:
         log.info("worker %d: %s on %s; an encoder: embeddings only, no KV cache", index, runner.name, runner.device)
@@ -128,7 +132,15 @@ def model_state(settings: Settings, runner: Runner | ServedModel, pool: Pool,
         # bench/RESULTS.md#issue-14-grammar-engines) is built beside serving, not on the first structured request;
         # that request waits for it only if it comes first.
         threading.Thread(target=grammars.vocabulary, name="grammar-vocabulary", daemon=True).start()
+    tokenizer = runner.tokenizer
+    reasoning = None if runner.is_encoder else choose_format(
+        settings.reasoning_parser, tokenizer.chat_template,
+        lambda text: len(tokenizer.encode(text, add_special_tokens=False)) == 1)
+    if reasoning is not None:
+        log.info("reasoning: %s (thinking between %s and %s, apart from the answer)", reasoning.name, reasoning.start,
+                 reasoning.end)
     return ModelState(model_id=model_id, model=served, pool=pool, fingerprint=f"fp_{digest}",
+                      reasoning=reasoning, chat_template_kwargs=dict(settings.chat_template_kwargs),
                       created=int(time.time()), max_prompt_tokens=settings.max_prompt_tokens,
                       stream_timeout=settings.stream_timeout, stream_interval=settings.stream_interval,
                       max_tokens_default=settings.max_tokens_default,

@@ -13,6 +13,7 @@ from engine.weights.summary import WeightsSummary
 
 from server.config.presets import Preset
 from server.grammar.compiler import GrammarCompiler
+from server.reasoning.formats import ReasoningFormat
 from server.scheduling.embedding_jobs import EmbeddingJob
 from server.scheduling.generation import Generation
 
@@ -119,3 +120,5 @@ class ModelState:
     pooling: str | None = None            # the embeddings' pooling (None: the runner's own)
     preset: Preset | None = None          # the server's preset (--preset): requests start from its values
     max_tokens_default: int | None = None  # a request's output budget when it and its presets set none
+    reasoning: ReasoningFormat | None = None  # how the model's thinking is told from its answer; None: it is not
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # every render's variables (--chat-template-kwargs)

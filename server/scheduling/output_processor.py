@@ -60,12 +60,19 @@ class OutputProcessor:
             if seq.matcher.is_stopped:  # the output is complete: nothing but an end token could follow
                 end = stopper.end()
                 text, finish = text + end.text, end.finish_reason
+        reasoning = ""
+        if seq.splitter is not None:  # the thinking apart from the answer
+            split = seq.splitter.push(token, text)
+            if finish is not None:
+                split += seq.splitter.finish()
+            reasoning, text = split.reasoning, split.answer
         entry = PositionLogprobs(token, logprob, top or []) if seq.wants_logprobs else None
         interval = gen.stream_interval or self.interval
         held = seq.held
         if finish is None and interval > 1 and len(held.tokens) + 1 < interval and stopper.num_tokens > 1:
             # The first token goes at once (TTFT); then every stream_interval-th, with those held since.
             held.text.append(text)
+            held.reasoning.append(reasoning)
             held.tokens.append(token)
             if entry is not None:
                 held.logprobs.append(entry)
@@ -73,6 +80,7 @@ class OutputProcessor:
         else:
             if held.tokens:
                 text, tokens = "".join(held.text) + text, held.tokens
+                reasoning = "".join(held.reasoning) + reasoning
                 tokens.append(token)
                 logprobs = None
                 if entry is not None:
@@ -81,7 +89,8 @@ class OutputProcessor:
                 seq.held = HeldOutput()
             else:
                 tokens, logprobs = [token], None if entry is None else [entry]
-            self.events.emit(gen, ChoiceDelta(seq.choice, text, tokens, logprobs, finish, stop_reason))
+            self.events.emit(gen, ChoiceDelta(seq.choice, text, tokens, logprobs, finish, stop_reason,
+                                              reasoning=reasoning))
         return Outcome.GOES_ON if finish is None else Outcome.FINISHED
 
     def release_held(self, seq: SequenceState) -> None:
@@ -115,4 +124,5 @@ class OutputProcessor:
 
     def done(self, gen: Generation, state: GenerationState) -> None:
         """The generation's last event: its usage."""
-        self.events.emit(gen, GenerationDone(state.prompt_tokens, state.completion_tokens, state.cached_tokens))
+        self.events.emit(gen, GenerationDone(state.prompt_tokens, state.completion_tokens, state.cached_tokens,
+                                             state.reasoning_tokens))

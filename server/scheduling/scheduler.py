@@ -38,6 +38,8 @@ from server.sampling.sampler import SequenceSampler, sample_batch
 from server.speculative.speculator import Speculator
 from server.speculative.rejection import Proposal, verify_drafts
 from server.scheduling.stopping import StopChecker
+from server.reasoning.gate import choice_matcher
+from server.reasoning.splitter import ReasoningSplitter
 
 __all__ = ["AUTO_MAX_INTERVAL", "AUTO_STREAMS", "Scheduler", "auto_stream_interval"]
 
@@ -379,6 +381,10 @@ class Scheduler:
             observe_decode_step(self.speculator, seqs, rows, self._drafts, time.perf_counter() - started)
         self._drafts = {}
 
+    def _token_text(self, token: int) -> str:
+        """A token's text alone (a reasoning gate finds tags written as text with it)."""
+        return self.runner.tokenizer.decode([token])
+
     def _fork(self, seq: SequenceState) -> list[SequenceState]:
         """Turn a computed prompt into its `n` choices, sharing the prompt's blocks."""
         gen, state = seq.gen, self._gens[seq.gen]
@@ -391,8 +397,10 @@ class Scheduler:
             stopper = StopChecker(self.runner.tokenizer.detokenizer(skip_special_tokens=True), stop=gen.stop,
                                   stop_token_ids=gen.stop_token_ids, max_tokens=gen.max_tokens,
                                   min_tokens=gen.min_tokens, ignore_eos=gen.ignore_eos)
-            matcher = gen.grammar.matcher() if gen.grammar is not None else None
-            choices.append(SequenceState(gen, kv, index, sampler, stopper, matcher))
+            matcher = choice_matcher(gen.reasoning, gen.grammar.matcher() if gen.grammar is not None else None,
+                                     self.runner.vocab_size, self._token_text)
+            splitter = ReasoningSplitter(gen.reasoning) if gen.reasoning is not None else None
+            choices.append(SequenceState(gen, kv, index, sampler, stopper, matcher, splitter=splitter))
         state.open_choices = gen.n
         position = self.running.index(seq)
         self.running[position:position + 1] = choices
@@ -568,6 +576,8 @@ class Scheduler:
             return True
         state = self._gens[gen]
         state.completion_tokens += seq.stopper.num_tokens
+        if seq.splitter is not None:
+            state.reasoning_tokens += seq.splitter.reasoning_tokens
         if not seq.finished:
             self._leave(seq)
         state.open_choices -= 1

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from engine.cache.block_manager import KVSequence
 
 from server.grammar.compiler import GrammarMatcher
+from server.reasoning.gate import ReasoningGate
+from server.reasoning.splitter import ReasoningSplitter
 from server.sampling.sampler import SequenceSampler
 from server.scheduling.generation import ChoiceDelta, Generation, PositionLogprobs
 from server.scheduling.stopping import StopChecker
@@ -18,13 +20,15 @@ class HeldOutput:
     ChoiceDelta is made when it goes, rather than one a token and their merge."""
 
     text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     at: float = 0.0  # when its last token was made
 
     def delta(self, choice: int | None, logprobs: bool) -> ChoiceDelta:
         """All of it as one delta (the last token's time, no finish)."""
-        return ChoiceDelta(choice, "".join(self.text), self.tokens, self.logprobs if logprobs else None, at=self.at)
+        return ChoiceDelta(choice, "".join(self.text), self.tokens, self.logprobs if logprobs else None, at=self.at,
+                           reasoning="".join(self.reasoning))
 
 
 @dataclass(eq=False)
@@ -38,7 +42,9 @@ class SequenceState:
     stopper: StopChecker | None = None
     # The choice's place in its grammar (gen.grammar); it moves with the sequence through preemption, which keeps
     # the generated tokens too.
-    matcher: GrammarMatcher | None = None
+    matcher: GrammarMatcher | ReasoningGate | None = None
+    # Splits the choice's text into its thinking and its answer (a reasoning model's output).
+    splitter: ReasoningSplitter | None = None
     prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
     held: HeldOutput = field(default_factory=HeldOutput)
     # Out of the batch for good (its blocks freed): a row of it in a step already launched is dropped.
@@ -69,5 +75,6 @@ class GenerationState:
     prompt_tokens: int
     cached_tokens: int = 0
     completion_tokens: int = 0
+    reasoning_tokens: int = 0
     open_choices: int = 0
     started: bool = False  # its prompt was admitted to the running batch once

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -10,6 +11,7 @@ import pytest
 from engine.tokenizer.tokenizer import Tokenizer
 from engine.registry import KNOWN_MODELS
 from engine.weights.gguf import read_gguf_metadata
+from tests.support.reasoning_model import serving, serving_r1, thinking_model
 from tests.support.server_process import EXACT, ServerProcess, start_server, stop_server
 
 MODEL = "smollm2-135m"
@@ -56,3 +58,24 @@ def ref(smollm):
     from tests.support.greedy_reference import Reference
 
     return Reference(smollm)
+
+
+# ---- a tiny reasoning model (tests.support.reasoning_model), for the tests of thinking in every API ----
+
+@pytest.fixture(scope="session")
+def thinking_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return thinking_model(tmp_path_factory.mktemp("thinking"))
+
+
+@pytest.fixture(scope="session")
+def r1_server(tmp_path_factory: pytest.TempPathFactory, thinking_model_dir: Path) -> Iterator[ServerProcess]:
+    """The reasoning model with a template that opens the thinking in the prompt (--chat-template)."""
+    with serving_r1(tmp_path_factory.mktemp("r1"), thinking_model_dir) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def qwen3_server(tmp_path_factory: pytest.TempPathFactory, thinking_model_dir: Path) -> Iterator[ServerProcess]:
+    """The reasoning model with its own (Qwen3's) template, which honours enable_thinking."""
+    with serving(tmp_path_factory.mktemp("qwen3"), thinking_model_dir) as srv:
+        yield srv

@@ -89,6 +89,38 @@ _LLAMA3_SPEC = _TokenizerSpec(
     add_bos=True,
     chat_template=_CHATML_TEMPLATE,
 )
+# Qwen3's chat template, reduced to what thinking needs: earlier answers' thinking is dropped, the answers after the
+# last user turn keep theirs (`reasoning_content`), and `enable_thinking=false` writes an empty thinking block.
+_QWEN3_THINKING_TEMPLATE = (
+    "{%- set ns = namespace(last_query=messages|length - 1) %}"
+    "{%- for message in messages[::-1] %}{%- set index = messages|length - 1 - loop.index0 %}"
+    "{%- if message.role == 'user' and ns.last_query == messages|length - 1 %}{%- set ns.last_query = index %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' %}"
+    "{%- set content = message.content %}{%- set thinking = '' %}"
+    "{%- if message.reasoning_content is defined and message.reasoning_content is string %}"
+    "{%- set thinking = message.reasoning_content %}"
+    "{%- elif '</think>' in content %}"
+    "{%- set thinking = content.split('</think>')[0].split('<think>')[-1].strip() %}"
+    "{%- set content = content.split('</think>')[-1].lstrip() %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_query and thinking %}"
+    "{{- '<|im_start|>assistant\n<think>\n' + thinking.strip() + '\n</think>\n\n' + content + '<|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>assistant\n' + content + '<|im_end|>\n' }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+_QWEN3_THINKING_SPEC = _TokenizerSpec(
+    special=("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"),
+    bos="<|im_start|>",
+    eos="<|im_end|>",
+    pad="<|endoftext|>",
+    add_bos=False,
+    chat_template=_QWEN3_THINKING_TEMPLATE,
+)
 _GEMMA_SPEC = _TokenizerSpec(
     special=("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"),
     bos="<bos>",
@@ -172,7 +204,7 @@ def _make_config(variant: str, spec: _TokenizerSpec):
             tie_word_embeddings=True,
             use_sliding_window=False,
         )
-    if variant == "qwen3":  # q/k RMSNorm, head_dim 32 != 64 / 4, untied
+    if variant in ("qwen3", "qwen3_thinking"):  # q/k RMSNorm, head_dim 32 != 64 / 4, untied
         return Qwen3Config(
             **common,
             intermediate_size=128,
@@ -208,16 +240,19 @@ def _make_config(variant: str, spec: _TokenizerSpec):
     raise ValueError(f"unknown tiny model variant {variant!r}; known: {VARIANTS}")
 
 
-_FAMILY = {"llama_tied": "llama", "llama3_scaled": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
+_FAMILY = {"llama_tied": "llama", "llama3_scaled": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
+           "qwen3_thinking": "qwen3"}
 _SPEC = {
     "llama_tied": _CHATML_SPEC,
     "llama3_scaled": _LLAMA3_SPEC,
     "qwen2": _CHATML_SPEC,
     "qwen3": _CHATML_SPEC,
     "gemma3": _GEMMA_SPEC,
+    # A reasoning model (not in VARIANTS: its layers are qwen3's): <think> and </think> are tokens of the vocabulary.
+    "qwen3_thinking": _QWEN3_THINKING_SPEC,
 }
 # picked so that 16 greedy steps after PROMPTS[0] vary and no two top logits are within 2e-3
-_SEED = {"llama_tied": 107, "llama3_scaled": 307, "qwen2": 407, "qwen3": 507, "gemma3": 15}
+_SEED = {"llama_tied": 107, "llama3_scaled": 307, "qwen2": 407, "qwen3": 507, "gemma3": 15, "qwen3_thinking": 507}
 
 
 @torch.no_grad()

@@ -1,13 +1,13 @@
 """Request and response models of Anthropic's Messages API (POST /v1/messages, /v1/messages/count_tokens).
 
-Field names are Anthropic's. Requests keep unknown fields (`metadata`, `thinking`, `cache_control` on a block...):
-logged, then ignored, as for the OpenAI routes.
+Field names are Anthropic's. Requests keep unknown fields (`metadata`, `cache_control` on a block...): logged, then
+ignored, as for the OpenAI routes.
 """
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from server.api.openai.protocol import STRICT_ALLOW_EXTRA, Text
 
@@ -46,7 +46,28 @@ class ToolResultBlock(BaseModel):
         return _blocks_of(v, "tool_result content", ("text",))
 
 
-ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+class ThinkingBlock(BaseModel):
+    """An assistant's thinking, given back with the conversation: the `reasoning_content` of that turn for the
+    chat template (the signature is not checked)."""
+
+    model_config = STRICT_ALLOW_EXTRA
+
+    type: Literal["thinking"]
+    thinking: Text
+    signature: Text | None = None
+
+
+class RedactedThinkingBlock(BaseModel):
+    """Thinking that another server encrypted: accepted, not read."""
+
+    model_config = STRICT_ALLOW_EXTRA
+
+    type: Literal["redacted_thinking"]
+    data: Text | None = None
+
+
+ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+                         Field(discriminator="type")]
 
 
 def _blocks_of(blocks: Any, what: str, kinds: tuple[str, ...]) -> Any:
@@ -72,12 +93,13 @@ class AnthropicMessage(BaseModel):
 
     role: Literal["user", "assistant"]
     content: Text | list[ContentBlock] = Field(
-        ..., description="text, or text blocks with tool_use blocks (assistant) or tool_result blocks (user)")
+        ..., description="text, or text blocks with tool_use and thinking blocks (assistant) or tool_result blocks "
+                         "(user)")
 
     @field_validator("content", mode="before")
     @classmethod
     def _supported_blocks(cls, v: Any) -> Any:
-        return _blocks_of(v, "content", ("text", "tool_use", "tool_result"))
+        return _blocks_of(v, "content", ("text", "tool_use", "tool_result", "thinking", "redacted_thinking"))
 
 
 # What the document says a `tools` entry is; the server checks it (a server tool's type is a 400 naming it).
@@ -116,6 +138,28 @@ class AnthropicConversation(BaseModel):
         return _blocks_of(v, "system", ("text",))
 
 
+class ThinkingConfig(BaseModel):
+    """Whether the answer shows a reasoning model's thinking, and its budget."""
+
+    model_config = STRICT_ALLOW_EXTRA
+
+    type: Literal["enabled", "adaptive", "disabled"] = Field(
+        ..., description="enabled: a thinking block first, the thinking held to budget_tokens; adaptive: the same "
+                         "with no budget; disabled: no thinking block, and the chat template asked to skip the "
+                         "thinking (enable_thinking false) where it can")
+    budget_tokens: int | None = Field(None, ge=0, description="enabled: thinking tokens before the closing tag is "
+                                                              "forced (max_tokens still bounds the whole output)")
+    display: Literal["summarized", "omitted"] | None = Field(
+        None, description="omitted: the thinking block comes with its text left out; summarized (the default): "
+                          "the thinking as written (no summary is made)")
+
+    @model_validator(mode="after")
+    def _budget_when_enabled(self) -> ThinkingConfig:
+        if self.type == "enabled" and self.budget_tokens is None:
+            raise ValueError("budget_tokens is required with type 'enabled'")
+        return self
+
+
 class MessagesRequest(AnthropicConversation):
     max_tokens: int = Field(..., ge=1)
     stop_sequences: list[Text] | None = None
@@ -123,6 +167,9 @@ class MessagesRequest(AnthropicConversation):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
     stream: bool = False
+    thinking: ThinkingConfig | None = Field(
+        None, description="a reasoning model's thinking: shown as a thinking block (enabled, adaptive), or not "
+                          "(left out, disabled: it is still generated where the template cannot skip it)")
 
 
 class CountTokensRequest(AnthropicConversation):
@@ -148,6 +195,14 @@ class AnthropicResponseText(BaseModel):
     text: str
 
 
+class AnthropicThinking(BaseModel):
+    """A reasoning model's thinking, the answer's first block; the signature is empty (nothing signs it)."""
+
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str = ""
+
+
 class AnthropicToolUse(BaseModel):
     """A call the model made; in a stream's content_block_start its input is {} (input_json_delta follows)."""
 
@@ -158,7 +213,7 @@ class AnthropicToolUse(BaseModel):
                                               "by max_tokens: then what parsed, or {})")
 
 
-ResponseBlock = Annotated[AnthropicResponseText | AnthropicToolUse, Field(discriminator="type")]
+ResponseBlock = Annotated[AnthropicThinking | AnthropicResponseText | AnthropicToolUse, Field(discriminator="type")]
 
 
 class MessageResponse(BaseModel):
@@ -201,10 +256,24 @@ class InputJsonDelta(BaseModel):
     partial_json: str
 
 
+class ThinkingDelta(BaseModel):
+    """A piece of a thinking block: the pieces concatenate to its thinking."""
+
+    type: Literal["thinking_delta"]
+    thinking: str
+
+
+class SignatureDelta(BaseModel):
+    """A thinking block's signature (empty), just before its content_block_stop, as Anthropic sends it."""
+
+    type: Literal["signature_delta"]
+    signature: str
+
+
 class ContentBlockDeltaEvent(BaseModel):
     type: Literal["content_block_delta"]
     index: int
-    delta: Annotated[TextDelta | InputJsonDelta, Field(discriminator="type")]
+    delta: Annotated[TextDelta | InputJsonDelta | ThinkingDelta | SignatureDelta, Field(discriminator="type")]
 
 
 class ContentBlockStopEvent(BaseModel):

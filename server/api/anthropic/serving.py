@@ -1,12 +1,15 @@
 """POST /v1/messages (Anthropic's Messages API) and /v1/messages/count_tokens, on the chat path.
 
-A request maps onto a chat completion (`chat_fields`): `system` as the system message, then the turns (an
-assistant's tool_use blocks as its `tool_calls`, a user's tool_result blocks as `tool` messages), and the tools and
-tool_choice in chat's shape, so the output is held to the same grammar and its calls parsed by the same parser.
-The answer's blocks (`server.api.output_blocks`) are text and tool_use blocks, with `stop_reason` tool_use (calls
-made), end_turn (an end token), stop_sequence (naming it) or max_tokens. Anthropic counts cache reads apart from
-the input: `usage.input_tokens` are the prompt tokens computed for this request, `cache_read_input_tokens` those
-the prefix cache served.
+A request maps onto a chat completion (`chat_fields`): `system` as the system message, then the turns (an assistant's
+tool_use blocks as its `tool_calls`, a user's tool_result blocks as `tool` messages), and the tools and tool_choice in
+chat's shape, so the output is held to the same grammar and its calls parsed by the same parser. The answer's blocks
+(`server.api.output_blocks`) are text and tool_use blocks, with `stop_reason` tool_use (calls made), end_turn (an end
+token), stop_sequence (naming it) or max_tokens. A reasoning model's thinking opens the answer as a thinking block when
+`thinking` enables it (its budget_tokens the chat's thinking_token_budget), and is left out otherwise; `thinking`
+disabled also asks the chat template to skip the thinking (`enable_thinking: false`, as Qwen3's template reads it). An
+assistant's thinking blocks given back are that turn's `reasoning_content`. Anthropic counts cache reads apart from the
+input: `usage.input_tokens` are the prompt tokens computed for this request, `cache_read_input_tokens` those the prefix
+cache served.
 """
 from __future__ import annotations
 
@@ -24,8 +27,8 @@ from server.errors import APIError, invalid
 from server.scheduling.generation import Generation
 from server.api.output_blocks import BlockEvent, OutputBlock, OutputBlocks, call_input
 from server.api.anthropic.protocol import (AnthropicConversation, AnthropicMessage, AnthropicResponseText,
-    AnthropicToolUse, AnthropicUsage, CountTokensRequest, MessageResponse, MessagesRequest, StopReason, TextBlock,
-    TokenCount, ToolChoice, ToolResultBlock, joined)
+    AnthropicThinking, AnthropicToolUse, AnthropicUsage, CountTokensRequest, MessageResponse, MessagesRequest,
+    StopReason, TextBlock, ThinkingBlock, TokenCount, ToolChoice, ToolResultBlock, joined)
 from server.api.openai.serving import cancel
 from server.api.sse import sse_response
 from server.api.openai.tool_calls import ToolPlan
@@ -71,17 +74,19 @@ def _result_text(block: ToolResultBlock) -> str:
 
 def chat_turns(i: int, m: AnthropicMessage) -> list[dict[str, Any]]:
     """One Anthropic turn as chat messages: tool_result blocks become `tool` messages where they stand, the text
-    around them user messages; an assistant's tool_use blocks its `tool_calls`."""
+    around them user messages; an assistant's tool_use blocks its `tool_calls`, its thinking blocks its
+    `reasoning_content` (redacted thinking is not read)."""
     if isinstance(m.content, str):
         return [{"role": m.role, "content": m.content}]
     out: list[dict[str, Any]] = []
     text: list[str] = []
     calls: list[dict[str, Any]] = []
+    thinking: list[str] = []
     for j, block in enumerate(m.content):
         if isinstance(block, TextBlock):
             text.append(block.text)
             continue
-        wanted = "assistant" if block.type == "tool_use" else "user"
+        wanted = "user" if block.type == "tool_result" else "assistant"
         if m.role != wanted:
             raise invalid(f"{block.type} blocks belong in {wanted} messages", param=f"messages.{i}.content.{j}")
         if isinstance(block, ToolResultBlock):
@@ -89,13 +94,16 @@ def chat_turns(i: int, m: AnthropicMessage) -> list[dict[str, Any]]:
                 out.append({"role": "user", "content": "".join(text)})
                 text = []
             out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _result_text(block)})
-        else:
+        elif isinstance(block, ThinkingBlock):
+            thinking.append(block.thinking)
+        elif block.type == "tool_use":
             calls.append({"id": block.id, "type": "function",
                           "function": {"name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}})
+    thought = {"reasoning_content": "".join(thinking)} if thinking else {}
     if calls:
-        out.append({"role": "assistant", "content": "".join(text), "tool_calls": calls})
-    elif text or not out:
-        out.append({"role": m.role, "content": "".join(text)})
+        out.append({"role": "assistant", "content": "".join(text), "tool_calls": calls, **thought})
+    elif text or thought or not out:
+        out.append({"role": m.role, "content": "".join(text), **thought})
     return out
 
 
@@ -116,8 +124,23 @@ def conversation_fields(req: AnthropicConversation) -> dict[str, Any]:
 
 def chat_fields(req: MessagesRequest) -> dict[str, Any]:
     """The chat completion request that a Messages request is."""
-    return {**conversation_fields(req), "max_completion_tokens": req.max_tokens, "stop": req.stop_sequences,
-            "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "stream": req.stream}
+    fields = {**conversation_fields(req), "max_completion_tokens": req.max_tokens, "stop": req.stop_sequences,
+              "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "stream": req.stream}
+    if req.thinking is not None and req.thinking.type == "enabled":
+        fields["thinking_token_budget"] = req.thinking.budget_tokens
+    elif req.thinking is not None and req.thinking.type == "disabled":
+        fields["chat_template_kwargs"] = {"enable_thinking": False}
+    return fields
+
+
+def shows_thinking(req: MessagesRequest) -> bool:
+    """Whether the answer opens with the thinking (a thinking block), or leaves it out."""
+    return req.thinking is not None and req.thinking.type != "disabled"
+
+
+def thinking_text(req: MessagesRequest, text: str) -> str:
+    """A thinking block's text: the thinking, or nothing with display omitted."""
+    return "" if req.thinking is not None and req.thinking.display == "omitted" else text
 
 
 def stop_reason(outcome: ChatOutcome, blocks: OutputBlocks) -> tuple[StopReason, str | None]:
@@ -136,7 +159,10 @@ def usage(outcome: ChatOutcome) -> AnthropicUsage:
                           output_tokens=outcome.completion_tokens, cache_read_input_tokens=outcome.cached_tokens)
 
 
-def content_block(block: OutputBlock) -> AnthropicResponseText | AnthropicToolUse:
+def content_block(req: MessagesRequest, block: OutputBlock) -> AnthropicThinking | AnthropicResponseText | \
+        AnthropicToolUse:
+    if block.kind == "reasoning":
+        return AnthropicThinking(thinking=thinking_text(req, block.text))
     if block.kind == "text":
         return AnthropicResponseText(text=block.text)
     return AnthropicToolUse(id=block.call_id, name=block.name, input=call_input(block))
@@ -148,7 +174,8 @@ class MessagesServing(ChatMappedServing):
     field_names = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences",
                    "tools.*.function.parameters": "tools.*.input_schema", "tools.*.function": "tools.*",
                    "tool_choice.function": "tool_choice",
-                   "parallel_tool_calls": "tool_choice.disable_parallel_tool_use"}
+                   "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
+                   "thinking_token_budget": "thinking.budget_tokens"}
 
     async def create(self, req: MessagesRequest, request: Request) -> MessageResponse | Any:
         arrival = time.perf_counter()
@@ -158,14 +185,14 @@ class MessagesServing(ChatMappedServing):
         rid = f"msg_{uuid.uuid4().hex}"
         gen, tools = await self.start(chat, rid, arrival)
         if req.stream:
-            return sse_response(self.guarded(self._stream(gen, req.model, tools), self._failure),
+            return sse_response(self.guarded(self._stream(gen, req, tools), self._failure),
                                 on_close=lambda: cancel([gen]), send_timeout=self.state.stream_timeout)
         outcome = await self.collect(gen, request)
         blocks = OutputBlocks(tools, tool_use_id)
-        blocks.push(outcome.text)
+        blocks.push(outcome.text, outcome.reasoning if shows_thinking(req) else "")
         blocks.finish()
         reason, sequence = stop_reason(outcome, blocks)
-        return MessageResponse(id=rid, model=req.model, content=[content_block(b) for b in blocks.blocks],
+        return MessageResponse(id=rid, model=req.model, content=[content_block(req, b) for b in blocks.blocks],
                                stop_reason=reason, stop_sequence=sequence, usage=usage(outcome))
 
     async def count_tokens(self, req: CountTokensRequest) -> TokenCount:
@@ -176,21 +203,24 @@ class MessagesServing(ChatMappedServing):
         plan = self.output_plan(chat)
         return TokenCount(input_tokens=len(await self.prompt_ids(chat, plan.tools)))
 
-    async def _stream(self, gen: Generation, model: str, tools: ToolPlan | None) -> AsyncIterator[dict[str, str]]:
+    async def _stream(self, gen: Generation, req: MessagesRequest,
+                      tools: ToolPlan | None) -> AsyncIterator[dict[str, str]]:
         """message_start, then each block as it is written (content_block_start, ping after the first, its
-        deltas, content_block_stop), message_delta with the stop reason and the usage totals, message_stop."""
-        start = MessageResponse(id=gen.request_id, model=model, content=[], stop_reason=None, stop_sequence=None,
+        deltas, a thinking block's signature_delta, content_block_stop), message_delta with the stop reason and
+        the usage totals, message_stop."""
+        start = MessageResponse(id=gen.request_id, model=req.model, content=[], stop_reason=None, stop_sequence=None,
                                 usage=AnthropicUsage(input_tokens=len(gen.prompt_ids), output_tokens=0))
         yield named_event("message_start", {"type": "message_start", "message": start.model_dump()})
         blocks = OutputBlocks(tools, tool_use_id)
         outcome = ChatOutcome()
-        async with aclosing(self.coalesced_text(gen, outcome)) as texts:
-            async for text in texts:
-                for change in blocks.push(text):
-                    for e in self._block_events(change):
+        shown = shows_thinking(req)
+        async with aclosing(self.coalesced(gen, outcome)) as pieces:
+            async for piece in pieces:
+                for change in blocks.push(piece.text, piece.reasoning if shown else ""):
+                    for e in self._block_events(req, change):
                         yield e
         for change in blocks.push("") + blocks.finish():
-            for e in self._block_events(change):
+            for e in self._block_events(req, change):
                 yield e
         reason, sequence = stop_reason(outcome, blocks)
         yield named_event("message_delta", {"type": "message_delta",
@@ -199,20 +229,29 @@ class MessagesServing(ChatMappedServing):
         yield named_event("message_stop", {"type": "message_stop"})
 
     @staticmethod
-    def _block_events(change: BlockEvent) -> list[dict[str, str]]:
+    def _block_events(req: MessagesRequest, change: BlockEvent) -> list[dict[str, str]]:
         block, index = change.block, change.index
+
+        def delta(body: dict[str, str]) -> dict[str, str]:
+            return named_event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": body})
+
         if change.kind == "open":
-            opened = AnthropicResponseText(text="") if block.kind == "text" else \
+            opened = AnthropicThinking(thinking="") if block.kind == "reasoning" else \
+                AnthropicResponseText(text="") if block.kind == "text" else \
                 AnthropicToolUse(id=block.call_id, name=block.name, input={})
             start = named_event("content_block_start", {"type": "content_block_start", "index": index,
                                                         "content_block": opened.model_dump()})
             return [start, named_event("ping", {"type": "ping"})] if index == 0 else [start]
         if change.kind == "delta":
-            delta = {"type": "text_delta", "text": change.delta} if block.kind == "text" else \
-                {"type": "input_json_delta", "partial_json": change.delta}
-            return [named_event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                        "delta": delta})]
-        return [named_event("content_block_stop", {"type": "content_block_stop", "index": index})]
+            if block.kind == "reasoning":
+                piece = thinking_text(req, change.delta)
+                return [delta({"type": "thinking_delta", "thinking": piece})] if piece else []
+            return [delta({"type": "text_delta", "text": change.delta} if block.kind == "text" else
+                          {"type": "input_json_delta", "partial_json": change.delta})]
+        stop = named_event("content_block_stop", {"type": "content_block_stop", "index": index})
+        if block.kind == "reasoning":
+            return [delta({"type": "signature_delta", "signature": AnthropicThinking(thinking="").signature}), stop]
+        return [stop]
 
     @staticmethod
     def _failure(error: APIError) -> list[dict[str, str]]:

@@ -50,13 +50,14 @@ class ChatServing(OpenAIServing):
 
         async def prompt(plan: OutputPlan) -> list[list[int]]:
             return [await prompt_work(chat_prompt_ids, self.state, req.messages, req.add_generation_prompt,
-                                      plan.tools)]
+                                      plan.tools, req.chat_template_kwargs)]
 
         prepared = await self.prepare(req, prompt, rid=request_id("chatcmpl"), arrival=arrival)
         gen, calls = prepared.gens[0], prepared.plan.calls
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return sse_response(self._stream(gen, req.model, include_usage, calls), on_close=lambda: cancel([gen]),
+            return sse_response(self._stream(gen, req.model, include_usage, calls, req.include_reasoning),
+                                on_close=lambda: cancel([gen]),
                                 send_timeout=self.state.stream_timeout)
         return await self._complete(gen, req, request, calls)
 
@@ -70,7 +71,7 @@ class ChatServing(OpenAIServing):
 
     async def _complete(self, gen: Generation, req: ChatCompletionRequest, request: Request,
                         tools: ToolPlan | None) -> ChatCompletionResponse:
-        texts = [""] * gen.n
+        texts, thoughts = [""] * gen.n, [""] * gen.n
         finish: list[str | None] = [None] * gen.n
         logprobs: list[list[PositionLogprobs]] = [[] for _ in range(gen.n)]
         usage = None
@@ -78,13 +79,15 @@ class ChatServing(OpenAIServing):
             async for _, event in events:
                 if isinstance(event, ChoiceDelta):
                     texts[event.index] += event.text
+                    thoughts[event.index] += event.reasoning
                     logprobs[event.index] += event.logprobs or []
                     finish[event.index] = event.finish_reason or finish[event.index]
                 elif isinstance(event, GenerationDone):
-                    usage = self.usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
+                    usage = self.done_usage(gen, event)
         if usage is None:  # the client went away; nobody reads this
             raise APIError(499, "client closed request")
-        choices = [ChatChoice(index=i, message=self._message(texts[i], tools), finish_reason=finish[i],
+        shown = thoughts if gen.reasoning is not None and req.include_reasoning else [""] * gen.n
+        choices = [ChatChoice(index=i, message=self._message(texts[i], tools, shown[i]), finish_reason=finish[i],
                               logprobs=ChatLogprobs(content=self._logprobs(logprobs[i])) if req.logprobs else None)
                    for i in range(gen.n)]
         if tools is not None:
@@ -95,20 +98,21 @@ class ChatServing(OpenAIServing):
                                       system_fingerprint=self.state.fingerprint)
 
     @staticmethod
-    def _message(text: str, tools: ToolPlan | None) -> ResponseMessage:
+    def _message(text: str, tools: ToolPlan | None, reasoning: str = "") -> ResponseMessage:
         """A choice's message: its text, or with tools the calls it made and the text around them (content null
-        when there is only a call)."""
+        when there is only a call); and its thinking, if any."""
+        thought = {"reasoning": reasoning, "reasoning_content": reasoning} if reasoning else {}
         if tools is None:
-            return ResponseMessage(content=text)
+            return ResponseMessage(content=text, **thought)
         parser = tools.parser()
         parser.push(text)
         parser.finish()
         calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in parser.calls]
         content = parser.content if parser.content.strip() or not calls else None
-        return ResponseMessage(content=content, tool_calls=calls or None)
+        return ResponseMessage(content=content, tool_calls=calls or None, **thought)
 
-    async def _stream(self, gen: Generation, model: str, include_usage: bool,
-                      tools: ToolPlan | None = None) -> AsyncIterator[str | list[str]]:
+    async def _stream(self, gen: Generation, model: str, include_usage: bool, tools: ToolPlan | None = None,
+                      include_reasoning: bool = True) -> AsyncIterator[str | list[str]]:
         created = int(time.time())
         want_logprobs = gen.params.logprobs
 
@@ -128,7 +132,7 @@ class ChatServing(OpenAIServing):
 
         # What arrived for each choice since the last chunks went out. Everything already waiting is read before
         # anything is sent, so a reader that falls behind sends one chunk per choice for several tokens.
-        texts, pending = [""] * gen.n, [[] for _ in range(gen.n)]
+        texts, thoughts, pending = [""] * gen.n, [""] * gen.n, [[] for _ in range(gen.n)]
         finish: list[str | None] = [None] * gen.n
         parsers = [tools.parser() if tools is not None else None for _ in range(gen.n)]
         usage = None
@@ -136,6 +140,9 @@ class ChatServing(OpenAIServing):
         def flush() -> list[str]:
             out = []
             for i in range(gen.n):
+                if thoughts[i]:  # the thinking goes before the answer it precedes (vLLM's field and DeepSeek's)
+                    out.append(chunk([choice(i, {"reasoning": thoughts[i], "reasoning_content": thoughts[i]})]))
+                    thoughts[i] = ""
                 parser, calls = parsers[i], []
                 if parser is not None:  # the text as content and tool-call deltas
                     content, deltas = parser.push(texts[i])
@@ -166,10 +173,11 @@ class ChatServing(OpenAIServing):
                         i = event.index
                         pending[i] += event.logprobs or []
                         texts[i] += event.text
+                        if include_reasoning:
+                            thoughts[i] += event.reasoning
                         finish[i] = event.finish_reason
                     elif isinstance(event, GenerationDone) and include_usage:
-                        usage = self.usage(event.prompt_tokens, event.completion_tokens,
-                                           event.cached_tokens).model_dump()
+                        usage = self.done_usage(gen, event).model_dump()
                     if gen.channel.empty():
                         lines = flush()
                         if lines:

@@ -6,6 +6,7 @@ Responses and Messages APIs and the in-process `Generator`.
 from __future__ import annotations
 
 import json
+from typing import Any
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -21,13 +22,15 @@ from server.scheduling.model_state import ModelState
 
 
 def chat_prompt_ids(state: ModelState, messages: list[ChatMessage], add_generation_prompt: bool,
-                    tools: ToolPlan | None = None) -> list[int]:
+                    tools: ToolPlan | None = None, template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """The prompt ids of a chat: the model's chat template over `messages` (and the tools, in the template's call
     format), whose text stays text unless the server trusts its callers (`parse_special_in_messages`); a template
-    that rejects the messages is a 400."""
+    that rejects the messages is a 400. The template also gets the server's `--chat-template-kwargs` and, over
+    them, the request's `template_kwargs` (`enable_thinking`, say); the tools stay the server's."""
     tokenizer = state.model.tokenizer
     try:
         conversation, variables = template_messages(messages, tool_format(tokenizer.chat_template), tools)
+        variables = {**state.chat_template_kwargs, **(template_kwargs or {}), **variables}
         return tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
                                              parse_special_in_messages=state.parse_special_in_messages, **variables)
     except StructuredOutputError as e:

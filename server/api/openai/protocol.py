@@ -9,6 +9,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from server.config.presets import PresetName
 from server.sampling.sampler import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, logit_bias_entry
 from server.config.settings import SpeculativeMethod
+from server.reasoning.plan import ReasoningEffort, efforts_described
 
 
 # Numbers OpenAI documents as limits.
@@ -120,6 +121,10 @@ class ChatMessage(BaseModel):
     name: Text | None = None
     tool_calls: list[ToolCall] | None = None  # assistant messages
     tool_call_id: Text | None = None          # tool messages: the call this is the result of
+    # An earlier answer's thinking, given back to the template (vLLM's and DeepSeek's names); templates that drop
+    # old thinking keep dropping it.
+    reasoning_content: Text | None = None
+    reasoning: Text | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -211,6 +216,15 @@ class ChatCompletionRequest(StructuredRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
+    # Reasoning models: the thinking is in `message.reasoning` (and `reasoning_content`), apart from the answer.
+    include_reasoning: bool = Field(True, description="false drops the thinking from the response (it is still "
+                                                      "generated and counted)")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="variables for the chat template, e.g. {\"enable_thinking\": false}; over the server's")
+    thinking_token_budget: int | None = Field(
+        None, ge=0, description="thinking tokens before the closing tag is forced (0: answer at once)")
+    reasoning_effort: ReasoningEffort | None = Field(
+        None, description=f"a thinking budget by name (thinking tokens): {efforts_described()}")
 
 
 class CompletionRequest(StructuredRequest):
@@ -262,6 +276,7 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: dict[str, int] | None = None
+    completion_tokens_details: dict[str, int] | None = None  # reasoning_tokens: the thinking's share
 
 
 class TopLogprob(BaseModel):
@@ -283,6 +298,9 @@ class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = None
+    # A reasoning model's thinking, under both names clients read (vLLM's current one, DeepSeek's and llama-server's)
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChoice(BaseModel):

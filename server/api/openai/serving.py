@@ -21,8 +21,9 @@ from server.api.metrics import ServerMetrics
 from server.config.presets import PRESETS, layered_defaults
 from server.api.openai.preparation import (Prepared, PromptIds, budget_fields, plan_output, prompt_logprobs,
                                           requested_logprobs)
-from server.api.openai.protocol import OpenAIRequest, StructuredRequest, TopLogprob, Usage
+from server.api.openai.protocol import ChatCompletionRequest, OpenAIRequest, StructuredRequest, TopLogprob, Usage
 from server.logs import current_request
+from server.reasoning.plan import EFFORT_BUDGETS, ReasoningPlan, make_plan
 from server.sampling.sampler import SamplingParams, out_of_vocabulary
 from server.scheduling.model_state import ModelState
 from server.api.sse import sse_error
@@ -192,8 +193,22 @@ class OpenAIServing:
                           stop_token_ids=self.tokenizer.end_token_ids, min_tokens=req.min_tokens,
                           ignore_eos=req.ignore_eos, prompt_logprobs=prompt_logprobs, request_id=rid,
                           prompt_index=index, arrival=arrival, grammar=grammar,
+                          reasoning=self.reasoning_plan(req, prompt_ids),
                           max_backlog=STREAM_BACKLOG_PER_CHOICE * req.n if req.stream else None,
                           stream_interval=self.state.stream_interval, **extra)
+
+    def reasoning_plan(self, req: OpenAIRequest, prompt_ids: list[int]) -> ReasoningPlan | None:
+        """How a chat's output thinks (None: a model without a reasoning format, or a completion, whose text is the
+        caller's own): its tags, whether the prompt opened the thinking, its budget (`thinking_token_budget`, else
+        `reasoning_effort`'s)."""
+        fmt = self.state.reasoning
+        if fmt is None or not isinstance(req, ChatCompletionRequest):
+            return None
+        budget = req.thinking_token_budget
+        if budget is None and req.reasoning_effort is not None:
+            budget = EFFORT_BUDGETS[req.reasoning_effort]
+        return make_plan(fmt, prompt_ids, lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+                         self.tokenizer.decode, budget)
 
     async def prepare(self, req: StructuredRequest, prompts: PromptIds, *, rid: str, arrival: float,
                       logprobs: tuple[bool, int] | None = None) -> Prepared:
@@ -273,10 +288,19 @@ class OpenAIServing:
         self.metrics.fail(error.type)
         return sse_error(error)
 
-    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+              reasoning_tokens: int | None = None) -> Usage:
+        """The token counts; `reasoning_tokens` (a reasoning model's chat) as OpenAI reports them."""
         return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens,
-                     prompt_tokens_details={"cached_tokens": cached_tokens})
+                     prompt_tokens_details={"cached_tokens": cached_tokens},
+                     completion_tokens_details=None if reasoning_tokens is None else
+                     {"reasoning_tokens": reasoning_tokens})
+
+    def done_usage(self, gen: Generation, done: GenerationDone) -> Usage:
+        """A finished generation's usage, with its thinking tokens where it had a reasoning plan."""
+        return self.usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens,
+                          done.reasoning_tokens if gen.reasoning is not None else None)
 
     def token_text(self, token: int) -> str:
         """A token's text for logprobs; bytes that are not whole UTF-8 characters are shown escaped."""

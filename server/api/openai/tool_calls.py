@@ -228,6 +228,9 @@ def template_messages(messages: list[ChatMessage], fmt: ToolFormatName,
         entry: dict[str, Any] = {"role": m.role, "content": m.text()}
         if m.name is not None:
             entry["name"] = m.name
+        thinking = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if m.role == "assistant" and thinking is not None:
+            entry["reasoning_content"] = thinking  # the name templates read (Qwen3's, DeepSeek's)
         calls = [(c, _arguments(c, f"messages.{i}.tool_calls.{j}")) for j, c in enumerate(m.tool_calls or [])]
         if fmt == "generic":
             if calls:

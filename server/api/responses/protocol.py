@@ -7,6 +7,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_val
 
 from server.config.presets import PresetName
 from server.api.openai.protocol import STRICT_ALLOW_EXTRA, Text
+from server.reasoning.plan import ReasoningEffort, efforts_described
 
 # Content parts an input message may carry: its own text, or an earlier answer's text given back as input.
 TEXT_PARTS = ("input_text", "output_text")
@@ -60,8 +61,30 @@ class FunctionCallOutputInput(BaseModel):
         return self.output
 
 
-# Items of the input that the model reads (a message's `type` may be left out).
-INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output")
+class ReasoningTextPart(BaseModel):
+    model_config = STRICT_ALLOW_EXTRA
+
+    type: Literal["reasoning_text"]
+    text: Text
+
+
+class ReasoningInput(BaseModel):
+    """An input item of type reasoning: an earlier answer's thinking, given back with the conversation; its
+    `content` text is the `reasoning_content` of the assistant turn that follows (summaries and encrypted content
+    are not read)."""
+
+    model_config = STRICT_ALLOW_EXTRA  # an output item given back carries its id, status, summary...
+
+    type: Literal["reasoning"]
+    content: list[ReasoningTextPart] | None = None
+
+    def text(self) -> str:
+        return "".join(p.text for p in self.content or [])
+
+
+# Items of the input that the model reads (a message's `type` may be left out), and the content parts it reads.
+INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+PARTS_OF = {"message": TEXT_PARTS, "reasoning": ("reasoning_text",)}
 
 
 def _item_type(item: Any) -> str:
@@ -69,7 +92,8 @@ def _item_type(item: Any) -> str:
 
 
 InputItem = Annotated[Annotated[InputMessage, Tag("message")] | Annotated[FunctionCallInput, Tag("function_call")]
-                      | Annotated[FunctionCallOutputInput, Tag("function_call_output")], Discriminator(_item_type)]
+                      | Annotated[FunctionCallOutputInput, Tag("function_call_output")]
+                      | Annotated[ReasoningInput, Tag("reasoning")], Discriminator(_item_type)]
 
 
 class TextFormat(BaseModel):
@@ -88,6 +112,20 @@ class TextConfig(BaseModel):
     model_config = STRICT_ALLOW_EXTRA
 
     format: TextFormat | None = None
+
+
+SummaryKind = Literal["auto", "concise", "detailed"]
+
+
+class ReasoningConfig(BaseModel):
+    """How a reasoning model thinks: `effort` is a thinking budget; no summaries are written (accepted, ignored)."""
+
+    model_config = STRICT_ALLOW_EXTRA
+
+    effort: ReasoningEffort | None = Field(
+        None, description=f"a thinking budget by name (thinking tokens): {efforts_described()}")
+    summary: SummaryKind | None = Field(None, description="accepted; no summary is written (`summary` stays [])")
+    generate_summary: SummaryKind | None = Field(None, description="summary's older name; accepted, ignored")
 
 
 # What the document says a `tools` entry is; the server checks it (a non-function type is a 400 naming it).
@@ -124,6 +162,15 @@ class ResponsesRequest(BaseModel):
         None, description="none, auto (the default), required, or `{type: 'function', name}`")
     parallel_tool_calls: bool | None = Field(None, description="false: at most one call (default true)")
     text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    thinking_token_budget: int | None = Field(
+        None, ge=0, description="a thinking budget in tokens (emberserve's extension, as on chat): over "
+                                "reasoning.effort's; 0 answers at once")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="variables for the chat template (emberserve's extension, as on chat), e.g. "
+                          "{\"enable_thinking\": false}; over the server's --chat-template-kwargs")
+    include: list[Text] | None = Field(
+        None, description="accepted; nothing more is included (no encrypted reasoning, no output logprobs)")
     metadata: dict[str, Text] | None = None
     user: Text | None = None
 
@@ -137,13 +184,14 @@ class ResponsesRequest(BaseModel):
                     continue
                 kind = _item_type(item)
                 if kind not in INPUT_ITEM_TYPES:
-                    raise ValueError(f"item {i} is of type {kind!r}: only 'message', 'function_call' and "
-                                     "'function_call_output' items are supported yet")
-                parts = item.get("content") if kind == "message" else None
+                    raise ValueError(f"item {i} is of type {kind!r}: only 'message', 'function_call', "
+                                     "'function_call_output' and 'reasoning' items are supported yet")
+                parts = item.get("content") if kind in PARTS_OF else None
                 for j, part in enumerate(parts if isinstance(parts, list) else []):
-                    if isinstance(part, dict) and part.get("type") not in TEXT_PARTS:
+                    if isinstance(part, dict) and part.get("type") not in PARTS_OF[kind]:
+                        names = " and ".join(repr(name) for name in PARTS_OF[kind])
                         raise ValueError(f"item {i} content part {j} is of type {part.get('type')!r}: only "
-                                         "'input_text' and 'output_text' are supported yet")
+                                         f"{names} {'are' if len(PARTS_OF[kind]) > 1 else 'is'} supported yet")
         return v
 
 
@@ -179,7 +227,22 @@ class FunctionCallItem(BaseModel):
     status: ItemStatus
 
 
-OutputItem = Annotated[OutputMessage | FunctionCallItem, Field(discriminator="type")]
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    """A reasoning model's thinking (an output item before the answer's; a stored input item when given back)."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list, description="always []: no summaries are written")
+    content: list[ReasoningText] = Field(description="the thinking, as one reasoning_text part")
+    status: ItemStatus
+
+
+OutputItem = Annotated[ReasoningItem | OutputMessage | FunctionCallItem, Field(discriminator="type")]
 
 
 class InputTokensDetails(BaseModel):
@@ -215,7 +278,8 @@ class ResponseObject(BaseModel):
     instructions: str | None
     max_output_tokens: int | None
     model: str
-    output: list[OutputItem] = Field(description="the answer's messages and function calls, in the order written")
+    output: list[OutputItem] = Field(description="a reasoning model's thinking (a reasoning item), then the "
+                                                 "answer's messages and function calls, in the order written")
     output_text: str = Field(description="the text of every output_text part, as the openai client computes it")
     parallel_tool_calls: bool = True
     previous_response_id: str | None
@@ -223,6 +287,7 @@ class ResponseObject(BaseModel):
     temperature: float
     top_p: float
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    reasoning: dict[str, Any] | None = Field(None, description="the request's reasoning options, echoed")
     tool_choice: str | dict[str, Any] = "auto"
     tools: list[dict[str, Any]] = Field(default_factory=list)
     truncation: Literal["disabled"] = "disabled"
@@ -251,7 +316,8 @@ class FunctionCallOutputItem(BaseModel):
     status: Literal["completed"] = "completed"
 
 
-StoredInputItem = Annotated[InputMessageItem | FunctionCallItem | FunctionCallOutputItem, Field(discriminator="type")]
+StoredInputItem = Annotated[InputMessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
+                            Field(discriminator="type")]
 
 
 class InputItemList(BaseModel):
@@ -290,7 +356,7 @@ class ContentPartEvent(_Event):
     item_id: str
     output_index: int
     content_index: int
-    part: OutputText
+    part: Annotated[OutputText | ReasoningText, Field(discriminator="type")]
 
 
 class OutputTextDeltaEvent(_Event):
@@ -309,6 +375,24 @@ class OutputTextDoneEvent(_Event):
     content_index: int
     text: str
     logprobs: list[Any]
+
+
+class ReasoningTextDeltaEvent(_Event):
+    """A piece of the thinking: the pieces concatenate to the reasoning item's text."""
+
+    type: Literal["response.reasoning_text.delta"]
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+
+
+class ReasoningTextDoneEvent(_Event):
+    type: Literal["response.reasoning_text.done"]
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
 
 
 class FunctionCallArgumentsDeltaEvent(_Event):
@@ -339,4 +423,5 @@ class ResponseErrorEvent(_Event):
 
 RESPONSE_STREAM_EVENTS: list[type[BaseModel]] = [
     ResponseLifecycleEvent, OutputItemEvent, ContentPartEvent, OutputTextDeltaEvent, OutputTextDoneEvent,
-    FunctionCallArgumentsDeltaEvent, FunctionCallArgumentsDoneEvent, ResponseErrorEvent]
+    ReasoningTextDeltaEvent, ReasoningTextDoneEvent, FunctionCallArgumentsDeltaEvent, FunctionCallArgumentsDoneEvent,
+    ResponseErrorEvent]

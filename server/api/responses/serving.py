@@ -1,12 +1,13 @@
 """POST /v1/responses (OpenAI's Responses API) on the chat path, and the stored responses' routes.
 
-A request maps onto a chat completion (`server.api.responses.input`): `instructions` as the system message, the turns
-of the response named by `previous_response_id`, then `input`; tools, tool_choice and text.format are chat's, so
-the output is held to the same grammar and its calls parsed by the same parser. The output's blocks
-(`server.api.output_blocks`) become output items: a message with one output_text part per run of text, a
-function_call item per call. With `store` (the default) the response is kept in a `ResponseStore` with its
-conversation so far, so that the next turn names it instead of resending it; its prompt then begins with the
-tokens the last turn already computed, which the prefix cache serves.
+A request maps onto a chat completion (`server.api.responses.input`): `instructions` as the system message, the turns of
+the response named by `previous_response_id`, then `input`; tools, tool_choice and text.format are chat's, so the output
+is held to the same grammar and its calls parsed by the same parser. The output's blocks (`server.api.output_blocks`)
+become output items: a reasoning model's thinking a reasoning item (one reasoning_text part, no summary), a message with
+one output_text part per run of text, a function_call item per call. With `store` (the default) the response is kept in
+a `ResponseStore` with its conversation so far (the thinking as the answer's `reasoning_content`, for the template to
+keep or drop), so that the next turn names it instead of resending it; its prompt then begins with the tokens the last
+turn already computed, which the prefix cache serves.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from server.scheduling.generation import Generation
 from server.api.metrics import ServerMetrics
 from server.api.output_blocks import BlockEvent, OutputBlock, OutputBlocks
 from server.api.responses.protocol import (FunctionCallItem, IncompleteDetails, InputItemList, InputTokensDetails,
-    OutputMessage, OutputText, ResponseDeleted, ResponseObject, ResponsesRequest, ResponseUsage, StoredInputItem)
+    OutputMessage, OutputText, OutputTokensDetails, ReasoningItem, ReasoningText, ResponseDeleted, ResponseObject,
+    ResponsesRequest, ResponseUsage, StoredInputItem)
 from server.process.response_store import StoredResponses
 from server.api.responses.input import (FIELD_NAMES, Message, chat_fields, echoed_tools, input_messages, new_id,
     stored_input_items)
@@ -57,14 +59,29 @@ class _Turn:
     item_ids: dict[int, str] = field(default_factory=dict)  # each output block's item id, made as it opens
 
 
+ITEM_ID_PREFIXES = {"reasoning": "rs", "text": "msg", "call": "fc"}
+OutputItem = ReasoningItem | OutputMessage | FunctionCallItem
+
+
 def _item_id(turn: _Turn, index: int, block: OutputBlock) -> str:
-    return turn.item_ids.setdefault(index, new_id("msg" if block.kind == "text" else "fc"))
+    return turn.item_ids.setdefault(index, new_id(ITEM_ID_PREFIXES[block.kind]))
 
 
-def output_item(block: OutputBlock, item_id: str, status: str) -> OutputMessage | FunctionCallItem:
+def output_item(block: OutputBlock, item_id: str, status: str) -> OutputItem:
+    if block.kind == "reasoning":
+        return ReasoningItem(id=item_id, status=status, content=[ReasoningText(text=block.text)])
     if block.kind == "text":
         return OutputMessage(id=item_id, status=status, content=[OutputText(text=block.text)])
     return FunctionCallItem(id=item_id, call_id=block.call_id, name=block.name, arguments=block.text, status=status)
+
+
+def opened_item(block: OutputBlock, item_id: str) -> OutputItem:
+    """An item as output_item.added announces it: in progress, nothing written yet."""
+    if block.kind == "reasoning":
+        return ReasoningItem(id=item_id, status="in_progress", content=[])
+    if block.kind == "text":
+        return OutputMessage(id=item_id, status="in_progress", content=[])
+    return FunctionCallItem(id=item_id, call_id=block.call_id, name=block.name, arguments="", status="in_progress")
 
 
 def _status(outcome: ChatOutcome) -> str:
@@ -72,12 +89,13 @@ def _status(outcome: ChatOutcome) -> str:
 
 
 def _answer(blocks: OutputBlocks) -> Message:
-    """The assistant turn the output is in the stored conversation."""
+    """The assistant turn the output is in the stored conversation (its thinking as `reasoning_content`)."""
     calls = [{"id": b.call_id, "type": "function", "function": {"name": b.name, "arguments": b.text}}
              for b in blocks.calls]
+    thought = {"reasoning_content": blocks.reasoning} if blocks.reasoning else {}
     if not calls:
-        return {"role": "assistant", "content": blocks.text}
-    return {"role": "assistant", "content": blocks.text or None, "tool_calls": calls}
+        return {"role": "assistant", "content": blocks.text, **thought}
+    return {"role": "assistant", "content": blocks.text or None, "tool_calls": calls, **thought}
 
 
 class ResponsesServing(ChatMappedServing):
@@ -105,7 +123,7 @@ class ResponsesServing(ChatMappedServing):
                                 on_close=lambda: cancel([gen]), send_timeout=self.state.stream_timeout)
         outcome = await self.collect(gen, request)
         blocks = OutputBlocks(tools)
-        blocks.push(outcome.text)
+        blocks.push(outcome.text, outcome.reasoning)
         blocks.finish()
         return await self._finish(turn, outcome, blocks)
 
@@ -118,7 +136,7 @@ class ResponsesServing(ChatMappedServing):
                            param="previous_response_id", code="previous_response_not_found")
         return stored.conversation
 
-    def _response(self, turn: _Turn, status: str, output: list[OutputMessage | FunctionCallItem],
+    def _response(self, turn: _Turn, status: str, output: list[OutputItem],
                   usage: ResponseUsage | None) -> ResponseObject:
         req = turn.req
         fmt = req.text.format if req.text is not None else None
@@ -132,9 +150,10 @@ class ResponsesServing(ChatMappedServing):
             parallel_tool_calls=req.parallel_tool_calls is not False,
             previous_response_id=req.previous_response_id, store=req.store, temperature=turn.temperature,
             top_p=turn.top_p, tool_choice=req.tool_choice if req.tool_choice is not None else "auto",
-            tools=echoed_tools(req), text=text, usage=usage, metadata=req.metadata or {}, user=req.user)
+            tools=echoed_tools(req), text=text, usage=usage, metadata=req.metadata or {}, user=req.user,
+            reasoning=req.reasoning.model_dump(exclude_none=True) if req.reasoning is not None else None)
 
-    def _output(self, turn: _Turn, blocks: OutputBlocks, status: str) -> list[OutputMessage | FunctionCallItem]:
+    def _output(self, turn: _Turn, blocks: OutputBlocks, status: str) -> list[OutputItem]:
         """The output items: every block complete but the last, which ends as the response does."""
         last = len(blocks.blocks) - 1
         return [output_item(b, _item_id(turn, i, b), status if i == last else "completed")
@@ -147,6 +166,7 @@ class ResponsesServing(ChatMappedServing):
                               input_tokens_details=InputTokensDetails(cached_tokens=outcome.cached_tokens,
                                                                       cache_write_tokens=self._written(outcome)),
                               output_tokens=outcome.completion_tokens,
+                              output_tokens_details=OutputTokensDetails(reasoning_tokens=outcome.reasoning_tokens),
                               total_tokens=outcome.prompt_tokens + outcome.completion_tokens)
         response = self._response(turn, status, self._output(turn, blocks, status), usage)
         if turn.req.store:
@@ -163,10 +183,10 @@ class ResponsesServing(ChatMappedServing):
 
     async def _stream(self, gen: Generation, turn: _Turn, numbers: itertools.count) -> AsyncIterator[dict[str, str]]:
         """The published event order: created, in_progress, then for each output item as it is written its
-        opening (output_item.added, and content_part.added for a message), its deltas (output_text.delta or
-        function_call_arguments.delta) and its closing (output_text.done and content_part.done, or
-        function_call_arguments.done; then output_item.done), and completed (or incomplete, when cut by
-        max_output_tokens)."""
+        opening (output_item.added, and content_part.added for a reasoning item or a message), its deltas
+        (reasoning_text.delta, output_text.delta or function_call_arguments.delta) and its closing
+        (reasoning_text.done or output_text.done, and content_part.done; or function_call_arguments.done; then
+        output_item.done), and completed (or incomplete, when cut by max_output_tokens)."""
 
         def event(kind: str, **fields: Any) -> dict[str, str]:
             return named_event(kind, {"type": kind, "sequence_number": next(numbers), **fields})
@@ -176,9 +196,9 @@ class ResponsesServing(ChatMappedServing):
         yield event("response.in_progress", response=started)
         blocks = OutputBlocks(turn.tools)
         outcome = ChatOutcome()
-        async with aclosing(self.coalesced_text(gen, outcome)) as texts:
-            async for text in texts:
-                for change in blocks.push(text):
+        async with aclosing(self.coalesced(gen, outcome)) as pieces:
+            async for piece in pieces:
+                for change in blocks.push(piece.text, piece.reasoning):
                     for e in self._item_events(turn, change, "completed", event):
                         yield e
         status = _status(outcome)
@@ -197,23 +217,25 @@ class ResponsesServing(ChatMappedServing):
         block, index = change.block, change.index
         item_id = _item_id(turn, index, block)
         where = {"item_id": item_id, "output_index": index}
-        text = block.kind == "text"
+        # the text of a reasoning item or a message is its content part 0, of a call its arguments
+        parted = {"reasoning": "reasoning_text", "text": "output_text"}.get(block.kind)
+        logprobs = {"logprobs": []} if block.kind == "text" else {}  # output_text's events carry them
         if change.kind == "open":
-            opened = OutputMessage(id=item_id, status="in_progress", content=[]) if text else \
-                FunctionCallItem(id=item_id, call_id=block.call_id, name=block.name, arguments="", status="in_progress")
-            yield event("response.output_item.added", output_index=index, item=opened.model_dump())
-            if text:
-                yield event("response.content_part.added", **where, content_index=0,
-                            part=OutputText(text="").model_dump())
-        elif change.kind == "delta" and text:
-            yield event("response.output_text.delta", **where, content_index=0, delta=change.delta, logprobs=[])
-        elif change.kind == "delta":
+            yield event("response.output_item.added", output_index=index,
+                        item=opened_item(block, item_id).model_dump())
+            if parted is not None:
+                empty = ReasoningText(text="") if block.kind == "reasoning" else OutputText(text="")
+                yield event("response.content_part.added", **where, content_index=0, part=empty.model_dump())
+        elif change.kind == "delta" and parted is None:
             yield event("response.function_call_arguments.delta", **where, delta=change.delta)
+        elif change.kind == "delta":
+            yield event(f"response.{parted}.delta", **where, content_index=0, delta=change.delta, **logprobs)
         else:
             item = output_item(block, item_id, status)
-            if text:
-                yield event("response.output_text.done", **where, content_index=0, text=block.text, logprobs=[])
-                yield event("response.content_part.done", **where, content_index=0, part=item.content[0].model_dump())
+            if parted is not None:
+                yield event(f"response.{parted}.done", **where, content_index=0, text=block.text, **logprobs)
+                yield event("response.content_part.done", **where, content_index=0,
+                            part=item.content[0].model_dump())
             else:
                 yield event("response.function_call_arguments.done", **where, name=block.name, arguments=block.text)
             yield event("response.output_item.done", output_index=index, item=item.model_dump())

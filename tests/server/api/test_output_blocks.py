@@ -1,6 +1,6 @@
-"""Output blocks (the Responses and Messages answers' text runs and calls): for outputs built from known text and
-calls, in each call format and cut into pieces anywhere, the blocks are those text runs and calls in the order
-written, and every block's deltas concatenate to its final text."""
+"""Output blocks (the Responses and Messages answers' thinking, text runs and calls): for outputs built from known
+thinking, text and calls, in each call format and cut into pieces anywhere, the blocks are that thinking, those text
+runs and calls in the order written, and every block's deltas concatenate to its final text."""
 from __future__ import annotations
 
 import json
@@ -92,3 +92,33 @@ def test_a_call_cut_short_has_what_parsed_as_input_or_nothing():
     [call] = blocks.blocks
     assert (call.kind, call.name, call.text) == ("call", "get_time", '{"zone": "Eur')
     assert call_input(call) == {}
+
+
+@settings(max_examples=60, deadline=None)
+@given(thinking=words, before=words, made=calls, cuts=st.lists(st.integers(0, 400), max_size=8),
+       thinking_cuts=st.lists(st.integers(0, 40), max_size=4))
+def test_thinking_is_a_block_before_the_answers(thinking, before, made, cuts, thinking_cuts):
+    """The thinking, however it arrives, is one reasoning block first; the answer's blocks follow as without it."""
+    plan = plan_tools(TOOLS, "auto", None, HERMES_TEMPLATE)
+    text = before + "".join(f'<tool_call>\n{{"name": "{n}", "arguments": {json.dumps(a)}}}\n</tool_call>'
+                            for n, a in made)
+    blocks = OutputBlocks(plan, new_id=iter(f"id{i}" for i in range(9)).__next__)
+    events, last = [], 0
+    for cut in sorted({c % (len(thinking) + 1) for c in thinking_cuts}) + [len(thinking)]:
+        events += blocks.push("", thinking[last:cut])
+        last = cut
+    events += run(blocks, text, cuts)
+    check_events(blocks, events)
+    answer = [("text", before)] if before.strip() or not made else []
+    answer += [("call", json.dumps(a)) for _, a in made]
+    expected = ([("reasoning", thinking)] if thinking else []) + answer
+    assert [(b.kind, b.text) for b in blocks.blocks] == expected
+    assert blocks.reasoning == thinking
+
+
+def test_thinking_alone_still_has_an_empty_answer():
+    """An output cut while thinking (max_tokens) answers its thinking and an empty text, as chat's empty content."""
+    blocks = OutputBlocks(None)
+    events = blocks.push("", "so far") + blocks.finish()
+    check_events(blocks, events)
+    assert [(b.kind, b.text) for b in blocks.blocks] == [("reasoning", "so far"), ("text", "")]

@@ -1,0 +1,62 @@
+"""Reasoning formats: the tag pairs models write their thinking between, and which one a model uses.
+
+A new format is one line of `REASONING_FORMATS`. `--reasoning-parser auto` (the default) picks the first format
+whose closing tag the chat template writes, or whose both tags are single tokens of the vocabulary; `none` turns
+reasoning off (the thinking stays in the answer's text, as before).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    name: str
+    start: str    # the tag that opens the thinking
+    end: str      # the tag that closes it; the answer follows
+    models: str   # who writes it (documentation)
+
+
+REASONING_FORMATS: dict[str, ReasoningFormat] = {f.name: f for f in (
+    ReasoningFormat("deepseek_r1", "<think>", "</think>", "DeepSeek-R1 and its distills, QwQ"),
+    ReasoningFormat("qwen3", "<think>", "</think>", "Qwen3 (thinking and hybrid models)"),
+    ReasoningFormat("mistral", "[THINK]", "[/THINK]", "Magistral"),
+    ReasoningFormat("seed_oss", "<seed:think>", "</seed:think>", "Seed-OSS"),
+)}
+AUTO, NONE = "auto", "none"
+ReasoningParserName = Literal[AUTO, NONE, *REASONING_FORMATS]  # type: ignore[valid-type]
+
+
+def detect_format(template: str | None, single_token: Callable[[str], bool]) -> ReasoningFormat | None:
+    """The format a model uses, from its chat template's source and its vocabulary (`single_token(text)`: whether
+    `text` is one token); None when neither shows one."""
+    for fmt in REASONING_FORMATS.values():
+        if template and fmt.end in template:
+            return fmt
+    for fmt in REASONING_FORMATS.values():
+        if single_token(fmt.start) and single_token(fmt.end):
+            return fmt
+    return None
+
+
+def choose_format(parser: str, template: str | None, single_token: Callable[[str], bool]) -> ReasoningFormat | None:
+    """The format `--reasoning-parser` names (auto: detected; none: None)."""
+    if parser == NONE:
+        return None
+    if parser == AUTO:
+        return detect_format(template, single_token)
+    return REASONING_FORMATS[parser]
+
+
+def opens_thinking(prompt_tail: str, fmt: ReasoningFormat) -> bool:
+    """Whether a prompt ending in `prompt_tail` leaves the model inside its thinking: a template that writes the
+    opening tag itself (DeepSeek-R1's) makes the output start there."""
+    return prompt_tail.rfind(fmt.start) > prompt_tail.rfind(fmt.end)
+
+
+def tag_ids(fmt: ReasoningFormat, encode: Callable[[str], Sequence[int]]) -> tuple[int | None, int | None]:
+    """The ids of the tags where each is a single token (detection by id), else None for that tag."""
+    start, end = list(encode(fmt.start)), list(encode(fmt.end))
+    return (start[0] if len(start) == 1 else None), (end[0] if len(end) == 1 else None)
