@@ -105,3 +105,35 @@ def test_chat_template_kwargs_reach_the_template(qwen3: ServerProcess) -> None:
     # the template's empty thinking block: <think>, "\n\n", </think>, "\n\n"
     assert closed > plain
     assert message["reasoning"] is None  # the prompt closed the thinking: all answer
+
+
+def test_a_forced_tool_call_comes_after_the_thinking(r1: openai.OpenAI) -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                                "parameters": {"type": "object", "properties": {
+                                                    "city": {"type": "string", "maxLength": 2}},
+                                                    "required": ["city"], "additionalProperties": False},
+                                                "strict": True}}]
+    reply = r1.chat.completions.create(model="hf", messages=ASK, temperature=0, max_tokens=256, tools=tools,
+                                       tool_choice="required", parallel_tool_calls=False,
+                                       extra_body={"thinking_token_budget": 4})
+    message = reply.choices[0].message
+    assert message.model_extra["reasoning"]  # free text: the call's grammar held back until it ended
+    (call,) = message.tool_calls
+    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
+    assert reply.choices[0].finish_reason == "tool_calls"
+
+
+def test_the_servers_chat_template_kwargs_apply_and_a_request_overrides_them(
+        tmp_path_factory: pytest.TempPathFactory, thinking_model_dir, qwen3: ServerProcess) -> None:
+    from tests.support.reasoning_model import serving
+
+    def prompt_tokens(base_url: str, **extra: object) -> int:
+        body = {"model": "hf", "messages": ASK, "max_tokens": 1, "temperature": 0, **extra}
+        return httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60).json()["usage"]["prompt_tokens"]
+
+    thinking, closed = prompt_tokens(qwen3.base_url), prompt_tokens(qwen3.base_url,
+                                                                     chat_template_kwargs={"enable_thinking": False})
+    with serving(tmp_path_factory.mktemp("kwargs"), thinking_model_dir,
+                 "--chat-template-kwargs", '{"enable_thinking": false}') as srv:
+        assert prompt_tokens(srv.base_url) == closed
+        assert prompt_tokens(srv.base_url, chat_template_kwargs={"enable_thinking": True}) == thinking

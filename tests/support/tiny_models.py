@@ -204,6 +204,8 @@ def _make_config(variant: str, spec: _TokenizerSpec):
             tie_word_embeddings=True,
             use_sliding_window=False,
         )
+    if variant == "qwen3_thinking":  # room for a thinking budget, tools' prompts and an answer
+        common["max_position_embeddings"] = 2048
     if variant in ("qwen3", "qwen3_thinking"):  # q/k RMSNorm, head_dim 32 != 64 / 4, untied
         return Qwen3Config(
             **common,
