@@ -124,10 +124,15 @@ def wait_metric(base_url: str, name: str, want: Any, page: Page) -> float:
     raise AssertionError(f"{name} stayed {value}")
 
 
-def canned_stream(route: Route, pieces: list[str], usage: dict[str, int] | None = None) -> None:
-    """Answer a chat request with an event stream of `pieces` as its deltas, as the server writes one."""
+def canned_stream(route: Route, pieces: list[str], usage: dict[str, int] | None = None,
+                  thoughts: list[str] = ()) -> None:
+    """Answer a chat request with an event stream of `thoughts` as its reasoning deltas, then `pieces` as its
+    content deltas, as the server writes one."""
     chunks = [{"id": "c", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
-               "choices": [{"index": 0, "delta": {"content": p}, "finish_reason": None}]} for p in pieces]
+               "choices": [{"index": 0, "delta": {"reasoning": t, "reasoning_content": t}, "finish_reason": None}]}
+              for t in thoughts]
+    chunks += [{"id": "c", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
+                "choices": [{"index": 0, "delta": {"content": p}, "finish_reason": None}]} for p in pieces]
     chunks.append({"id": "c", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
                    "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
     if usage:
@@ -331,6 +336,23 @@ def test_model_output_renders_as_markdown_and_never_as_html(page: Page) -> None:
     hrefs = answer.locator("a").evaluate_all("as => as.map(a => a.getAttribute('href'))")
     assert hrefs == [None, "https://example.com"], hrefs
     assert page.evaluate("window.pwned") is None
+
+
+def test_a_reasoning_models_thinking_is_folded_apart_from_the_answer_as_text(page: Page) -> None:
+    thoughts = ["The user asks **2+2**.", " <script>window.pwned = 5</script>", "\nIt is 4."]
+    page.route("**/v1/chat/completions", lambda route: canned_stream(route, ["It is **4**."], thoughts=thoughts))
+    send(page, "What is 2+2?")
+    wait_answered(page)
+    thinking = page.locator(".message.assistant details.thinking")
+    assert thinking.is_visible() and thinking.get_attribute("open") is None  # folded
+    thinking.locator("summary").click()
+    assert thinking.locator(".thinking-text").inner_text() == "".join(thoughts)  # plain text, markup and all
+    assert page.locator(".message.assistant .content strong").inner_text() == "4"
+    assert page.eval_on_selector_all("#messages script", "es => es.length") == 0
+    assert page.evaluate("window.pwned") is None
+    page.reload()
+    page.wait_for_selector("body.ready")
+    assert page.locator(".message.assistant .thinking-text").text_content() == "".join(thoughts)  # kept
 
 
 def test_api_errors_show_the_envelopes_message(page: Page, api: httpx.Client) -> None:

@@ -133,10 +133,11 @@ export async function* sseData(response) {
 }
 
 /**
- * POST /v1/chat/completions with stream: true; calls onDelta(text) for each piece of the answer, and resolves
- * with {usage, finishReason} at the end. A failure mid-stream (an `error` event) throws ApiError.
+ * POST /v1/chat/completions with stream: true; calls onDelta(text) for each piece of the answer and
+ * onReasoning(text) for each piece of a reasoning model's thinking, and resolves with {usage, finishReason} at the
+ * end. A failure mid-stream (an `error` event) throws ApiError.
  */
-export async function streamChat(body, signal, onDelta) {
+export async function streamChat(body, signal, onDelta, onReasoning = () => {}) {
   const response = await apiFetch("/v1/chat/completions", {
     method: "POST", signal, headers: { "Content-Type": "application/json" },
     body: JSON.stringify({ ...body, stream: true, stream_options: { include_usage: true } }),
@@ -149,6 +150,7 @@ export async function streamChat(body, signal, onDelta) {
     if (chunk.error) throw new ApiError(chunk.error.message ?? "the server failed mid-answer", chunk.error.code);
     if (chunk.usage) usage = chunk.usage;
     const choice = chunk.choices?.[0];
+    if (choice?.delta?.reasoning) onReasoning(choice.delta.reasoning);
     if (choice?.delta?.content) onDelta(choice.delta.content);
     if (choice?.finish_reason) finishReason = choice.finish_reason;
   }

@@ -260,7 +260,15 @@ function formatStats(stats) {
   return parts.join(" · ");
 }
 
+function fillThinking(element, message) {
+  // A reasoning model's thinking: plain text (never markup), folded away under the answer's label.
+  const thinking = element.querySelector(".thinking");
+  thinking.hidden = !message.reasoning;
+  thinking.querySelector(".thinking-text").textContent = message.reasoning ?? "";
+}
+
 function fillAssistant(element, message) {
+  fillThinking(element, message);
   element.querySelector(".content").innerHTML = renderMarkdown(message.content);
   element.querySelector(".message-error").textContent = message.error ? `Error: ${message.error}` : "";
   element.querySelector(".message-error").hidden = !message.error;
@@ -303,6 +311,8 @@ function messageElement(message, index, last) {
   }
   const element = el("article", { class: "message assistant", "aria-label": "Assistant" },
     el("div", { class: "role", "aria-hidden": "true" }, "Assistant"),
+    el("details", { class: "thinking", hidden: true },
+      el("summary", {}, "Thinking"), el("div", { class: "thinking-text plain" })),
     el("div", { class: "content markdown" }),
     el("p", { class: "message-error", role: "alert" }),
     el("footer", { class: "meta" }, el("span", { class: "stats" })));
@@ -375,6 +385,7 @@ async function answer(conversation) {
     frame = 0;
     if (running?.message === message && running.element) {
       const stick = nearEnd($("messages"));
+      fillThinking(running.element, message);
       running.element.querySelector(".content").innerHTML = renderMarkdown(message.content);
       if (stick) scrollToEnd(true);
     }
@@ -389,6 +400,11 @@ async function answer(conversation) {
           saved = performance.now();
           store.save();
         }
+      },
+      (thought) => {
+        first ??= performance.now();
+        message.reasoning = (message.reasoning ?? "") + thought;
+        if (!frame) frame = requestAnimationFrame(show);
       });
     const end = performance.now();
     message.stats = { finishReason, ttftMs: first === null ? undefined : first - started };
