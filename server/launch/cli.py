@@ -1,4 +1,5 @@
-"""`emberserve serve | models | presets | generate`: the command line (also `python -m server`)."""
+"""`emberserve serve | pull | list (models) | rm | show | presets | generate`: the command line (also
+`python -m server`)."""
 from __future__ import annotations
 
 import argparse
@@ -11,16 +12,16 @@ from typing import Any, Literal, Optional, get_args, get_origin
 
 from pydantic import ValidationError
 
-from engine import ModelFormatError, ModelNotInstalledError
+from engine import EngineError
 from engine.__main__ import add_commands, run
-from engine.registry import model_path
 
 from server import __version__
 from engine.kernels.switches import configure as configure_kernels
-from server.config.model_catalog import models_text
+from server.config.model_store import ensure_model
 from server.config.presets import presets_text
 from server.config.settings import RENAMED, SELF_DRAFTS, Settings, env_name, flag_name
 from server.launch.checks import EXIT_LOAD_FAILED, EXIT_PORT_IN_USE, EXIT_WORKER_FAILED, bind_error
+from server.launch.model_commands import add_model_commands, say
 from server.logs import configure_logging
 from server.scheduling.threads import cap_malloc_arenas
 
@@ -72,12 +73,12 @@ def _serve(args: argparse.Namespace) -> int:
             name = str(err["loc"][0]) if err["loc"] else "settings"
             print(f"error: {flag_name(name)} / {env_name(name)}: {err['msg']}", file=sys.stderr)
         return 2
-    # Fail before binding the port when there is clearly nothing to load.
+    # Fail before binding the port when there is clearly nothing to load (with --pull, after downloading it).
     try:
-        model_path(settings.model)
+        ensure_model(settings.model, settings.pull, say=say)
         if settings.draft_model is not None and settings.draft_model not in SELF_DRAFTS:
-            model_path(settings.draft_model, "draft model", also=tuple(SELF_DRAFTS))
-    except (ModelNotInstalledError, ModelFormatError) as e:
+            ensure_model(settings.draft_model, settings.pull, say=say, what="draft model", also=tuple(SELF_DRAFTS))
+    except (EngineError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, settings.log_format)
@@ -135,11 +136,6 @@ def _presets(_: argparse.Namespace) -> int:
     return 0
 
 
-def _models(_: argparse.Namespace) -> int:
-    print(models_text())
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="emberserve", description="OpenAI-compatible LLM server")
     parser.add_argument("--version", action="version", version=f"emberserve {__version__}")
@@ -149,8 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.set_defaults(func=_serve)
     sub.add_parser("presets", help="list the generation presets (--preset, a request's \"preset\")").set_defaults(
         func=_presets)
-    sub.add_parser("models", help="list the known models: family, parameters, quantization, context, size, "
-                                  "chat/base/embedding, installed or how to install").set_defaults(func=_models)
+    add_model_commands(sub)
     add_commands(sub, models=False)
     return run(parser.parse_args(argv))
 
