@@ -36,28 +36,26 @@ def _silent(message: str) -> None:
 def download(name: HubName, revision: str | None = None, say: Callable[[str], None] = _silent) -> CachedModel:
     """Download what `name` means at `revision` (default: the repo's main branch) unless the cache has it, verify
     it, and return it as the cache holds it; ModelDownloadError (or UnsupportedModelError) saying why not."""
-    from huggingface_hub import HfApi, try_to_load_from_cache
+    from huggingface_hub import HfApi
 
     api = HfApi(library_name="emberserve")
     with _hub_errors(name, revision):
-        resolved = api.resolve_revision(name.repo, revision=revision)
-        info = api.model_info(name.repo, revision=resolved.resolved, files_metadata=True)
-        remote = {s.rfilename: s for s in info.siblings or ()}
-        wanted = _choose(api, name, resolved.resolved, list(remote))
-        new = [f for f in wanted if not isinstance(try_to_load_from_cache(name.repo, f, revision=resolved.resolved),
-                                                   str)]
-        size = sum(remote[f].size or 0 for f in new)
-        say(f"{name}: {len(wanted)} file(s) at {revision or 'main'} ({resolved.resolved[:12]}), "
-            f"{len(new)} to download ({_mib(size)})")
+        pull = _Pull(api, name, api.resolve_revision(name.repo, revision=revision))
+        wanted = pull.choose()
+        new = [f for f in wanted if f not in pull.cached]
+        size = sum(pull.remote[f].size or 0 for f in new)
+        say(f"{name}: {len(wanted)} file(s) at {revision or 'main'} ({pull.commit[:12]}), {len(new)} to download "
+            f"({_mib(size)})")
         started = time.monotonic()
-        folder = Path(api.snapshot_download(name.repo, revision=resolved, allow_patterns=wanted,
+        folder = Path(api.snapshot_download(name.repo, revision=pull.revision, allow_patterns=wanted,
                                             tqdm_class=_bars()))
         elapsed = time.monotonic() - started
         if new:
             say(f"{name}: downloaded {_mib(size)} in {elapsed:.1f} s ({_mib(size / max(elapsed, 1e-9))}/s); "
                 "verifying checksums")
-        _verify(name, folder, [remote[f] for f in new])
-    model = find_cached(name, resolved.resolved)
+        for filename in wanted:
+            pull.check(folder / filename, filename)
+    model = find_cached(name, pull.commit)
     if model is None:  # the files are there, as the Hub listed them: only a broken cache could get here
         raise ModelDownloadError(f"{name}: downloaded, but not found in the cache at {folder}")
     return model
@@ -76,51 +74,66 @@ def _bars() -> type:
     return Bars
 
 
-def _choose(api: Any, name: HubName, commit: str, files: list[str]) -> list[str]:
-    """The repo files `name` means, or ModelDownloadError / UnsupportedModelError saying why there are none."""
-    if gguf_models(files):
-        chosen = select_gguf(files, name.quant)
-        if not chosen:
-            raise ModelDownloadError(f"{name.repo} has no {name.quant} GGUF file; its quantizations: "
-                                     f"{', '.join(gguf_quants(files)) or 'none tagged in the file names'}")
-        return chosen
-    if name.quant is not None:
-        hint = f"; `{name.repo}` is its safetensors checkpoint" if safetensors_files(files) else ""
-        raise ModelDownloadError(f"{name.repo} has no GGUF files, so no quantization {name.quant}{hint}")
-    shards = None
-    if INDEX_FILE in files:
-        shards = _read_json(api, name, commit, INDEX_FILE).get("weight_map", {}).values()
-    wanted = safetensors_files(files, shards)
-    if wanted:
+class _Pull:
+    """One pull: the repo at the commit its revision resolved to, its files with the Hub's checksums, which of them
+    the cache held before it began (those were checked when they came), and which it has checked since."""
+
+    def __init__(self, api: Any, name: HubName, revision: Any) -> None:
+        from huggingface_hub import try_to_load_from_cache
+
+        self.api, self.name, self.revision, self.commit = api, name, revision, revision.resolved
+        info = api.model_info(name.repo, revision=self.commit, files_metadata=True)
+        self.remote = {s.rfilename: s for s in info.siblings or ()}
+        self.cached = {f for f in self.remote
+                       if isinstance(try_to_load_from_cache(name.repo, f, revision=self.commit), str)}
+        self._checked: set[str] = set()
+
+    def choose(self) -> list[str]:
+        """The repo files the name means, or ModelDownloadError / UnsupportedModelError saying why there are none."""
+        name, files = self.name, list(self.remote)
+        if gguf_models(files):
+            chosen = select_gguf(files, name.quant)
+            if not chosen:
+                raise ModelDownloadError(f"{name.repo} has no {name.quant} GGUF file; its quantizations: "
+                                         f"{', '.join(gguf_quants(files)) or 'none tagged in the file names'}")
+            return chosen
+        if name.quant is not None:
+            hint = f"; `{name.repo}` is its safetensors checkpoint" if safetensors_files(files) else ""
+            raise ModelDownloadError(f"{name.repo} has no GGUF files, so no quantization {name.quant}{hint}")
+        shards = self._read_json(INDEX_FILE).get("weight_map", {}).values() if INDEX_FILE in files else None
+        wanted = safetensors_files(files, shards)
+        if wanted:
+            try:
+                config_from_hf(self._read_json(CONFIG_FILE))
+            except UnsupportedModelError as e:
+                raise UnsupportedModelError(f"{name.repo}: {e}") from None
+            return wanted
+        if has_torch_bin(files):
+            raise ModelDownloadError(f"{name.repo} has only PyTorch .bin weights (pytorch_model*.bin), which "
+                                     "emberserve does not load: choose a repo with safetensors or GGUF files")
+        raise ModelDownloadError(f"{name.repo} has no GGUF model file and no safetensors weights with a config.json")
+
+    def _read_json(self, filename: str) -> dict[str, Any]:
+        """A small JSON file of the repo (a config, an index), downloaded into the cache and checked first: it is
+        part of what is pulled."""
+        path = Path(self.api.hf_hub_download(self.name.repo, filename, revision=self.commit))
+        self.check(path, filename)
         try:
-            config_from_hf(_read_json(api, name, commit, CONFIG_FILE))
-        except UnsupportedModelError as e:
-            raise UnsupportedModelError(f"{name.repo}: {e}") from None
-        return wanted
-    if has_torch_bin(files):
-        raise ModelDownloadError(f"{name.repo} has only PyTorch .bin weights (pytorch_model*.bin), which emberserve "
-                                 "does not load: choose a repo with safetensors or GGUF files")
-    raise ModelDownloadError(f"{name.repo} has no GGUF model file and no safetensors weights with a config.json")
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ModelDownloadError(f"{self.name.repo}: cannot read {filename}: {e}") from None
+        if not isinstance(data, dict):
+            raise ModelDownloadError(f"{self.name.repo}: {filename} is not a JSON object")
+        return data
 
+    def check(self, path: Path, filename: str) -> None:
+        """A file that came in this pull against the Hub's checksum (an LFS file's sha256, another's git blob hash);
+        one that does not match is deleted (its blob too) and refused."""
+        from huggingface_hub.utils.sha import git_hash, sha_fileobj
 
-def _read_json(api: Any, name: HubName, commit: str, filename: str) -> dict[str, Any]:
-    """A small JSON file of the repo, downloaded into the cache first (it is part of what is pulled)."""
-    path = api.hf_hub_download(name.repo, filename, revision=commit)
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise ModelDownloadError(f"{name.repo}: cannot read {filename}: {e}") from None
-    if not isinstance(data, dict):
-        raise ModelDownloadError(f"{name.repo}: {filename} is not a JSON object")
-    return data
-
-
-def _verify(name: HubName, folder: Path, siblings: list[Any]) -> None:
-    """Each file against the Hub's checksum; a file that does not match is deleted (its blob too) and refused."""
-    from huggingface_hub.utils.sha import git_hash, sha_fileobj
-
-    for sibling in siblings:
-        path = folder / sibling.rfilename
+        sibling = self.remote[filename]
+        if filename in self.cached or filename in self._checked:
+            return
         if sibling.lfs is not None:
             algorithm, expected = "sha256", sibling.lfs.sha256
             with open(path, "rb") as f:
@@ -128,14 +141,15 @@ def _verify(name: HubName, folder: Path, siblings: list[Any]) -> None:
         elif sibling.blob_id:
             algorithm, expected, actual = "git blob hash", sibling.blob_id, git_hash(path.read_bytes())
         else:
-            continue
+            return
         if actual != expected:
             blob = Path(os.path.normpath(path.parent / os.readlink(path))) if path.is_symlink() else None
             path.unlink()
             if blob is not None:
                 blob.unlink(missing_ok=True)
-            raise ModelDownloadError(f"{name.repo}: {sibling.rfilename} does not match the Hub's {algorithm} "
+            raise ModelDownloadError(f"{self.name.repo}: {filename} does not match the Hub's {algorithm} "
                                      f"(expected {expected}, got {actual}): the download is deleted; pull again")
+        self._checked.add(filename)
 
 
 @contextmanager

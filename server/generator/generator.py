@@ -62,7 +62,8 @@ class Generator:
     @staticmethod
     def builder(model: str) -> GeneratorBuilder:
         """A builder for a known model name (`available_models()`; `suggested_models()`: the installed chat models),
-        or a .gguf file or safetensors directory."""
+        a .gguf file or safetensors directory, or a Hugging Face name (`owner/repo:QUANT`, `owner/repo`) pulled
+        into the local cache (`pull_model`, or the builder's `pull()`)."""
         return GeneratorBuilder(model)
 
     @classmethod

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from engine import KNOWN_MODELS, load_runner
+from engine.weights.summary import parameter_size
 from tests.support.fake_hub import (BIN_REPO, GATED_REPO, GGUF_REPO, SAFETENSORS_REPO, TOKEN, UNSUPPORTED_REPO,
                                     FakeHub, tiny_repos)
 from tests.support.server_process import free_port, start_server, stop_server
@@ -97,6 +98,11 @@ def downloads(hub: FakeHub) -> list[str]:
             if method == "GET" and "/resolve/" in path]
 
 
+def parameters(tiny: TinyModel) -> str:
+    """The tiny model's parameter count as transformers counts it (tied embeddings once), as the table writes it."""
+    return parameter_size(tiny.hf_model.num_parameters())
+
+
 def one_error_line(done: subprocess.CompletedProcess[str]) -> str:
     """The failed command's message: exit status 2, one `error:` line at the end of stderr, no traceback."""
     assert done.returncode == 2, (done.stdout, done.stderr)
@@ -134,12 +140,13 @@ def test_pull_by_quantization_fetches_that_file_and_verifies_it(env: dict[str, s
     assert downloads(hub) == [] and "0 to download" in again.stderr  # already there: nothing moves
 
 
-def test_pull_without_a_tag_takes_q4_k_m_else_q8_0(env: dict[str, str], hub: FakeHub) -> None:
+def test_pull_without_a_tag_takes_q4_k_m_else_q8_0(env: dict[str, str], hub: FakeHub, tiny: TinyModel) -> None:
     done = emberserve(env, "pull", GGUF_REPO)  # the repo has Q8_0 and Q4_0, no Q4_K_M
     assert done.returncode == 0, done.stderr
     assert files_in(snapshot(env, hub, GGUF_REPO)) == [Q8]
     rows = table(env)
-    assert rows[f"{GGUF_REPO}:Q8_0"][:4] == ["llama", "94.5K", "Q8_0", "512"]
+    assert rows[f"{GGUF_REPO}:Q8_0"][:4] == ["llama", parameters(tiny), "Q8_0",
+                                             str(tiny.config.max_position_embeddings)]
 
 
 def test_on_a_terminal_a_pull_shows_bytes_and_rate(env: dict[str, str], hub: FakeHub) -> None:
@@ -195,6 +202,12 @@ def test_a_checksum_mismatch_is_refused_and_the_file_deleted(env: dict[str, str]
     assert f"run: emberserve pull {GGUF_REPO}:Q8_0" in line
     hub.corrupt(GGUF_REPO, Q8, on=False)
     assert emberserve(env, "pull", f"{GGUF_REPO}:Q8_0").returncode == 0
+    # a plain git file (no LFS) is checked against its git blob hash, the config as soon as it comes
+    hub.corrupt(SAFETENSORS_REPO, "config.json")
+    line = one_error_line(emberserve(env, "pull", SAFETENSORS_REPO))
+    assert f"{SAFETENSORS_REPO}: config.json does not match the Hub's git blob hash (expected " \
+           f"{hub.file(SAFETENSORS_REPO, 'config.json').blob_id}" in line
+    assert files_in(snapshot(env, hub, SAFETENSORS_REPO)) == [] and "model.safetensors" not in downloads(hub)
 
 
 def test_a_gated_repo_asks_for_hf_token(env: dict[str, str], hub: FakeHub) -> None:
@@ -214,8 +227,11 @@ def test_a_safetensors_repo_brings_config_tokenizer_and_weights_only(env: dict[s
     checkpoint = sorted(p.name for p in tiny.safetensors_dir.iterdir())
     assert "model.safetensors" in checkpoint and "tokenizer.json" in checkpoint
     assert files_in(folder) == checkpoint  # no README, no pytorch_model.bin, no onnx/
+    assert f"{len(checkpoint)} file(s) at main ({hub.repos[SAFETENSORS_REPO].commit[:12]}), {len(checkpoint)} to " \
+           "download" in done.stderr
     assert done.stdout.strip() == f"{SAFETENSORS_REPO}: {folder}"
-    assert table(env)[SAFETENSORS_REPO][:4] == ["llama", "94.5K", "F32", "512"]
+    assert table(env)[SAFETENSORS_REPO][:4] == ["llama", parameters(tiny), "F32",
+                                                 str(tiny.config.max_position_embeddings)]
     line = one_error_line(emberserve(env, "pull", f"{SAFETENSORS_REPO}:Q8_0"))
     assert line == f"error: {SAFETENSORS_REPO} has no GGUF files, so no quantization Q8_0; `{SAFETENSORS_REPO}` " \
                    "is its safetensors checkpoint"
