@@ -24,6 +24,14 @@ class ModelNotInstalledError(EngineError):
     """A known model name whose package is not installed; the message says how to install it."""
 
 
+class ModelNotPulledError(ModelNotInstalledError):
+    """A Hugging Face model name (`owner/repo[:QUANT]`) not in the local Hub cache; the message says how to pull it."""
+
+
+class ModelDownloadError(EngineError):
+    """Pulling a model from the Hugging Face Hub failed: the repo, the files, the network or a checksum."""
+
+
 class ContextLengthError(EngineError, ValueError):
     """A sequence would grow past the runner's context size."""
 

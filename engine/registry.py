@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from engine.config import ENCODER_FAMILIES
-from engine.errors import ModelFormatError, ModelNotInstalledError
+from engine.errors import ModelFormatError, ModelNotInstalledError, ModelNotPulledError
+from engine.hub.names import parse_hub_name
 
 
 def _package_file(module: str, filename: str) -> Path | None:
@@ -127,14 +128,30 @@ def available_models() -> list[dict[str, Any]]:
 
 def model_path(source: str, what: str = "model", also: Sequence[str] = ()) -> Path:
     """Where `source` is: a known model's file (ModelNotInstalledError, with the install command, when its package
-    is missing) or an existing path; ModelFormatError naming the known names (and `also`, other names the caller
-    accepts) otherwise. `what` names the model in the message ("draft model")."""
+    is missing), an existing path, or a Hugging Face model (`owner/repo[:QUANT]`) in the local Hub cache, looked up
+    without the network (ModelNotPulledError, with the pull command, when it is not there); ModelFormatError naming
+    the known names (and `also`, other names the caller accepts) otherwise. `what` names the model in the message
+    ("draft model")."""
     known = KNOWN_MODELS.get(source)
     if known is not None:
         return known.path()
     path = Path(source)
-    if not path.exists():
-        names = f"({', '.join(KNOWN_MODELS)})" + "".join(f", {' nor '.join(also)}," if also else "")
-        raise ModelFormatError(f"{what} not found: {source!r} is neither a known model name {names} nor an "
-                               "existing path")
-    return path
+    if path.exists():
+        return path
+    name = parse_hub_name(source)
+    if name is not None:
+        from engine.hub.cache import find_cached  # here: it loads huggingface_hub, which other names do not need
+
+        cached = find_cached(name)
+        if cached is None:
+            raise ModelNotPulledError(f"{what} {source!r} is not downloaded (nor an existing path); run: "
+                                      f"emberserve pull {source}")
+        return cached.path
+    names = f"({', '.join(KNOWN_MODELS)})" + "".join(f", {' nor '.join(also)}," if also else "")
+    raise ModelFormatError(f"{what} not found: {source!r} is neither a known model name {names} nor an existing "
+                           "path nor a Hugging Face name (owner/repo or owner/repo:QUANT)")
+
+
+def model_name(source: str) -> str:
+    """The name a model is served under: a known or Hugging Face name as given, a path's file or directory name."""
+    return Path(source).name if source not in KNOWN_MODELS and Path(source).exists() else source

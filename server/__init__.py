@@ -13,6 +13,8 @@ _PUBLIC = {
     "available_models": "config.model_catalog", "suggested_models": "config.model_catalog",
     "model_info": "config.model_catalog", "ModelInfo": "config.model_catalog",
     "is_generator_model": "config.model_catalog", "PRESETS": "config.presets", "Preset": "config.presets",
+    "list_models": "config.model_catalog", "pull_model": "config.model_store", "remove_model": "config.model_store",
+    "show_model": "generator.model_card", "ModelCard": "generator.model_card",
 }
 __all__ = ["__version__", *_PUBLIC]
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import ctypes
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.config import EncoderConfig, ModelConfig, config_from_gguf, config_from_hf
+from engine.config import EncoderConfig, ModelConfig
 from engine.errors import ModelFormatError
 from engine.cache.kv_cache import kv_bytes_per_token
 from engine.model import BertEncoder, DecoderModel, build_model
@@ -22,14 +21,12 @@ from engine.parallel.sharding import Shard, resize_modules, shard_of, shard_stat
 from engine.runtime.pooling import sentence_transformers_pooling
 from engine.model.quant import QUANT_MODES, Affine4Bit, Int8Embedding, Int8Linear, quantize_int8, quantized_linear
 from engine.model.quant.dot import Int8DotEmbedding, Int8DotLinear, dense_copies_pay
-from engine.registry import KNOWN_MODELS, model_path
+from engine.registry import KNOWN_MODELS, model_name, model_path
 from engine.runtime.runner import Runner
-from engine.tokenizer.tokenizer import Tokenizer
 from engine.weights import Progress, no_progress
 from engine.weights.gguf import load_gguf
-from engine.weights.gguf_format import read_gguf_metadata
 from engine.weights.safetensors import load_safetensors_dir
-from engine.weights.summary import chat_tuned, read_summary
+from engine.weights.summary import chat_tuned, generation_defaults, model_config, model_tokenizer, read_summary
 
 log = logging.getLogger("emberserve.engine")
 
@@ -198,10 +195,6 @@ def _return_freed_memory() -> None:
         pass
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
 def kv_cache_tokens(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, context: int,
                     memory: int | None, kv_heads: int | None = None) -> int:
     """How many tokens the KV pool holds: `memory` bytes if given.
@@ -257,11 +250,7 @@ def _resolve_source(source: str) -> tuple[Path, Any]:
 def read_config(source: str) -> ModelConfig | EncoderConfig:
     """The model's config alone (config.json or GGUF metadata), without reading its weights."""
     path, _ = _resolve_source(source)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelFormatError(f"{path}: not a model directory (no config.json)")
-        return config_from_hf(_read_json(path / "config.json"))
-    return config_from_gguf(read_gguf_metadata(path), has_output_tensor=True)  # tying does not matter here
+    return model_config(path)
 
 
 def build_runner(options: LoadOptions, progress: Progress = no_progress, rank: RankGroup | None = None,
@@ -271,8 +260,8 @@ def build_runner(options: LoadOptions, progress: Progress = no_progress, rank: R
     device = torch.device(options.device) if rank is None else rank.device
     dtype, quant, max_context = options.dtype, options.quant, options.max_context
     path, known = _resolve_source(options.source)
-    name = options.source if known else path.name
-    defaults = dict(known.generation_defaults) if known else {}
+    name = model_name(options.source)
+    defaults = generation_defaults(path, known)
     freq_factors = None
     if path.is_dir():
         quant, dtype = resolve_quant(quant, dtype, device, quantized_source=False)
@@ -281,7 +270,7 @@ def build_runner(options: LoadOptions, progress: Progress = no_progress, rank: R
         # whose errors name what is wrong with the files
         weights = read_summary(path)
         chat = chat_tuned(weights, known)
-        tokenizer = Tokenizer.from_pretrained_dir(path)
+        tokenizer = model_tokenizer(path, known)
         if cfg.is_encoder:
             if quant != "none":
                 raise ValueError(f"quant {quant!r} is for decoders; a {cfg.family} encoder runs dense weights")
@@ -290,16 +279,12 @@ def build_runner(options: LoadOptions, progress: Progress = no_progress, rank: R
             return Runner(encoder, tokenizer, name=name, device=device, dtype=dtype,
                           max_context=max_context, pooling=sentence_transformers_pooling(path) or "mean",
                           weights=weights, chat_tuned=chat)
-        gen = _read_json(path / "generation_config.json")
-        defaults |= {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in gen}
     else:
         quant, dtype = resolve_quant(quant, dtype, device, quantized_source=True)
         cfg, state, meta, freq_factors = load_gguf(path, keep_4bit=quant == "int4", progress=progress)
         weights = read_summary(path)
         chat = chat_tuned(weights, known)
-        tokenizer = Tokenizer.from_gguf_metadata(meta)
-    if known is not None and known.chat_template is not None:
-        tokenizer.set_chat_template(known.chat_template)
+        tokenizer = model_tokenizer(path, known, meta)
     shard = shard_of(cfg, rank.rank, rank.size) if rank is not None else None
     model = _materialise(cfg, state, device, dtype, quant, requantize_floats=path.is_dir(), source=str(path),
                         progress=progress, dense_prefill=_dense_prefill(options, dtype),

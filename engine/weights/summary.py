@@ -11,12 +11,14 @@ from typing import Any, Literal
 
 from gguf.constants import GGMLQuantizationType, LlamaFileType
 
-from engine.config import ENCODER_FAMILIES, config_from_gguf, config_from_hf
+from engine.config import ENCODER_FAMILIES, EncoderConfig, ModelConfig, config_from_gguf, config_from_hf
 from engine.errors import ModelFormatError
 from engine.registry import KnownModel
-from engine.tokenizer.tokenizer import pretrained_chat_template
+from engine.tokenizer.tokenizer import Tokenizer, pretrained_chat_template
 from engine.weights.gguf_format import GGUFFile
 
+# generation_config.json's sampling values that requests fall back on
+_GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # safetensors dtypes that hold weights (an integer tensor is an index buffer, such as BERT's position ids)
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 
@@ -60,6 +62,40 @@ def read_summary(path: str | Path) -> WeightsSummary:
     raise ModelFormatError(f"{path}: not a model: expected a .gguf file or a safetensors directory")
 
 
+def model_config(path: Path) -> ModelConfig | EncoderConfig:
+    """The config of a .gguf file or a safetensors directory alone (its metadata or config.json)."""
+    if path.is_dir():
+        config = path / "config.json"
+        if not config.is_file():
+            raise ModelFormatError(f"{path}: not a model directory (no config.json)")
+        return config_from_hf(json.loads(config.read_text()))
+    return config_from_gguf(GGUFFile(path).metadata, has_output_tensor=True)  # tying does not matter here
+
+
+def generation_defaults(path: Path, known: KnownModel | None) -> dict[str, Any]:
+    """The sampling values the model comes with: the registry's for a known model, then those of a checkpoint's
+    generation_config.json."""
+    defaults = dict(known.generation_defaults) if known is not None else {}
+    config = path / "generation_config.json"
+    if path.is_dir() and config.is_file():
+        chosen = json.loads(config.read_text())
+        defaults |= {k: chosen[k] for k in _GENERATION_KEYS if k in chosen}
+    return defaults
+
+
+def model_tokenizer(path: Path, known: KnownModel | None, metadata: dict[str, Any] | None = None) -> Tokenizer:
+    """The model's tokenizer (from a GGUF file's metadata, given when already read, or a directory's tokenizer
+    files) with the chat template chats are rendered with: the registry's for a known model that sets one, else the
+    files' own, else the fallback the tokenizer picks by its vocabulary."""
+    if path.is_dir():
+        tokenizer = Tokenizer.from_pretrained_dir(path)
+    else:
+        tokenizer = Tokenizer.from_gguf_metadata(metadata if metadata is not None else GGUFFile(path).metadata)
+    if known is not None and known.chat_template is not None:
+        tokenizer.set_chat_template(known.chat_template)
+    return tokenizer
+
+
 def chat_tuned(summary: WeightsSummary, known: KnownModel | None) -> bool:
     """Whether the model is tuned to chat: as the registry says for a known model (a base model may still ship a
     template), else whether its files carry a chat template (an encoder never is)."""
@@ -73,7 +109,7 @@ def _gguf_summary(path: Path) -> WeightsSummary:
     cfg = config_from_gguf(gguf.metadata, has_output_tensor="output.weight" in gguf.tensors)
     counts = {name: math.prod(entry.shape) for name, entry in gguf.tensors.items()}
     return WeightsSummary("gguf", cfg.family, sum(counts.values()), _gguf_file_type(gguf, counts),
-                          cfg.max_position, bool(gguf.metadata.get("tokenizer.chat_template")), path.stat().st_size)
+                          cfg.max_position, bool(gguf.metadata.get("tokenizer.chat_template")), gguf.size_bytes)
 
 
 def _gguf_file_type(gguf: GGUFFile, counts: dict[str, int]) -> str:

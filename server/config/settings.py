@@ -115,7 +115,12 @@ class Settings(BaseSettings):
                     data[new] = data.pop(old)
         return data
 
-    model: str = Field(DEFAULT_MODEL, description="a known model name, a .gguf file or a safetensors directory")
+    model: str = Field(DEFAULT_MODEL, description="a known model name, a .gguf file, a safetensors directory, or a "
+                                                  "Hugging Face model pulled into the local cache: owner/repo:QUANT "
+                                                  "(a GGUF quantization) or owner/repo (see `emberserve pull`)")
+    pull: bool = Field(False, description="download the model (and a draft model) from the Hugging Face Hub first "
+                                          "when it is a Hugging Face name not in the local cache; without it, "
+                                          "serving never touches the network")
     host: str = Field(DEFAULT_HOST, description="address to listen on (0.0.0.0 in the container image)")
     port: int = Field(DEFAULT_PORT, ge=0, le=65535, description="port to listen on")
     device: Annotated[str, BeforeValidator(resolve_device)] = Field(

@@ -34,7 +34,8 @@ from server.api.openai.protocol import ChatCompletionRequest, CompletionRequest,
 from server.api.openai.serving import OpenAIServing, check_token_ids, request_id
 from server.config.model_catalog import is_generator_model
 from server.config.presets import get_preset
-from server.config.settings import RENAMED, Settings, env_name, flag_name
+from server.config.model_store import ensure_model
+from server.config.settings import RENAMED, SELF_DRAFTS, Settings, env_name, flag_name
 from server.generator.config import (GeneratedText, GenerationConfig, GenerationError, Prompt, StreamedToken,
                                      as_generation_errors, generation_request, ran_with)
 from server.scheduling.generation import ChoiceDelta, Generation, GenerationDone, GenerationFailed
@@ -61,7 +62,8 @@ class Generator:
     @staticmethod
     def builder(model: str) -> GeneratorBuilder:
         """A builder for a known model name (`available_models()`; `suggested_models()`: the installed chat models),
-        or a .gguf file or safetensors directory."""
+        a .gguf file or safetensors directory, or a Hugging Face name (`owner/repo:QUANT`, `owner/repo`) pulled
+        into the local cache (`pull_model`, or the builder's `pull()`)."""
         return GeneratorBuilder(model)
 
     @classmethod
@@ -262,10 +264,15 @@ class GeneratorBuilder:
         return self.setting("draft_model", name).setting("num_speculative_tokens", num_tokens)
 
     def offline(self) -> GeneratorBuilder:
-        """Never fetch anything. emberserve never downloads weights (they come from installed packages or local
-        paths), so this only makes `build()` refuse at once a model that is not installed or not found."""
+        """Never fetch anything (the default, unless `pull()`): `build()` refuses at once a model that is not
+        installed, not pulled or not found."""
         self._offline = True
         return self
+
+    def pull(self, enabled: bool = True) -> GeneratorBuilder:
+        """Download the model (and a draft model) from the Hugging Face Hub first when it is a Hugging Face name
+        (`owner/repo:QUANT`, `owner/repo`) not in the local cache, as `emberserve pull` does."""
+        return self.setting("pull", enabled)
 
     def quiet(self) -> GeneratorBuilder:
         """No load progress bar on stderr."""
@@ -338,9 +345,15 @@ class GeneratorBuilder:
         generation_request(settings.model, "", config)  # the values are a valid request, or this raises now
         if settings.model in KNOWN_MODELS and not is_generator_model(settings.model):
             raise ValueError(f"{settings.model} is an encoder: it embeds, it does not generate")
+        if self._offline and settings.pull:
+            raise ValueError("offline() and pull() contradict each other: pulling fetches the model")
         if self._offline:
             # refuse what would need fetching: ModelNotInstalledError (with the install command), ModelFormatError
             model_path(settings.model)
+        if settings.pull:  # download on a thread: the event loop runs on while the files come
+            for name in (settings.model, settings.draft_model):
+                if name is not None and name not in SELF_DRAFTS:
+                    await asyncio.to_thread(ensure_model, name, True)
         progress = no_progress if self._quiet else None
         state = await in_own_thread(lambda: load_model(settings, progress=progress, prepare_grammars=False),
                                      stop_workers)

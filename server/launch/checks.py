@@ -3,13 +3,14 @@ the model and the device are there, and whether the port is free."""
 from __future__ import annotations
 
 import socket
+import sys
 from typing import Any
 
 from pydantic import ValidationError
 
-from engine import DeviceError, ModelFormatError, ModelNotInstalledError
-from engine.registry import model_path
+from engine import DeviceError, EngineError
 
+from server.config.model_store import ensure_model
 from server.config.settings import SELF_DRAFTS, Settings, env_name, flag_name
 
 EXIT_FAILED = 1  # a command that ran could not do its work (say, the chat's server refused it)
@@ -43,17 +44,23 @@ def settings_from(given: dict[str, Any]) -> Settings:
         raise CommandError(*lines) from None
 
 
+def say(message: str) -> None:
+    """A line of what a command is doing (a pull's progress), on stderr: stdout keeps the command's answer."""
+    print(message, file=sys.stderr, flush=True)
+
+
 def check_loadable(settings: Settings) -> None:
-    """CommandError unless the model (and the draft model) can be found and the device exists: settled before
-    the port is bound or anything loads, so that a start that cannot work ends at once."""
+    """CommandError unless the model (and the draft model) can be found — with `pull` set, a Hugging Face model not
+    in the cache is downloaded first — and the device exists: settled before the port is bound or anything loads,
+    so that a start that cannot work ends at once."""
     try:
-        model_path(settings.model)
+        ensure_model(settings.model, settings.pull, say=say)
         if settings.draft_model is not None and settings.draft_model not in SELF_DRAFTS:
-            model_path(settings.draft_model, "draft model", also=tuple(SELF_DRAFTS))
+            ensure_model(settings.draft_model, settings.pull, say=say, what="draft model", also=tuple(SELF_DRAFTS))
         from engine.loader.devices import check_device  # torch: only once the flags are known to be good
 
         check_device(settings.device)
-    except (ModelNotInstalledError, ModelFormatError, DeviceError) as e:
+    except (EngineError, DeviceError, ValueError) as e:
         raise CommandError(str(e)) from None
 
 

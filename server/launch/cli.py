@@ -1,4 +1,5 @@
-"""`emberserve serve | models | presets | generate | chat`: the command line (also `python -m server`)."""
+"""`emberserve serve | pull | list (models) | rm | show | presets | generate | chat`: the command line (also
+`python -m server`)."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +13,6 @@ from engine.__main__ import run
 from engine.kernels.switches import configure as configure_kernels
 
 from server import __version__
-from server.config.model_catalog import models_text
 from server.config.presets import presets_text
 from server.config.settings import Settings, env_name
 from server.launch.chat import add_chat_command
@@ -20,6 +20,7 @@ from server.launch.checks import (EXIT_INTERRUPTED, EXIT_LOAD_FAILED, EXIT_PORT_
                                   CommandError, bind_error, check_loadable, settings_from)
 from server.launch.flags import given_settings, settings_arguments
 from server.launch.generate import add_generate_command
+from server.launch.model_commands import add_model_commands
 from server.logs import configure_logging
 from server.scheduling.threads import cap_malloc_arenas
 
@@ -37,7 +38,7 @@ def apply_kernel_switches(settings: Settings) -> None:
 def _serve(args: argparse.Namespace) -> int:
     cap_malloc_arenas()
     settings = settings_from(given_settings(args))
-    check_loadable(settings)  # fail before binding the port when there is clearly nothing to load
+    check_loadable(settings)  # fail before binding the port when there is clearly nothing to load (--pull: downloaded first)
     configure_logging(settings.log_level, settings.log_format)
     listen_error = bind_error(settings.host, settings.port)
     if listen_error is not None:
@@ -93,11 +94,6 @@ def _presets(_: argparse.Namespace) -> int:
     return 0
 
 
-def _models(_: argparse.Namespace) -> int:
-    print(models_text())
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="emberserve", description="OpenAI-compatible LLM server")
     parser.add_argument("--version", action="version", version=f"emberserve {__version__}")
@@ -107,8 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.set_defaults(func=_serve)
     sub.add_parser("presets", help="list the generation presets (--preset, a request's \"preset\")").set_defaults(
         func=_presets)
-    sub.add_parser("models", help="list the known models: family, parameters, quantization, context, size, "
-                                  "chat/base/embedding, installed or how to install").set_defaults(func=_models)
+    add_model_commands(sub)
     add_generate_command(sub)
     add_chat_command(sub)
     args = parser.parse_args(argv)

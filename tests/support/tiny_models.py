@@ -492,8 +492,12 @@ def _check_names_known(names: list[str], family: str, n_layers: int) -> None:
         raise AssertionError(f"tensor names not in gguf-py's {family} layout: {unknown}")
 
 
-def write_gguf(tiny: TinyModel, gguf_type: str = "F32", path: Path | None = None, **_layout) -> Path:
-    """Write `tiny.hf_model` as a llama.cpp-layout GGUF with 2-D matrices stored as `gguf_type`."""
+def write_gguf(tiny: TinyModel, gguf_type: str = "F32", path: Path | None = None, *, split_max_tensors: int = 0,
+               **_layout) -> Path:
+    """Write `tiny.hf_model` as a llama.cpp-layout GGUF with 2-D matrices stored as `gguf_type`. With
+    `split_max_tensors`, split it the way llama.cpp's gguf-split does (gguf-py's writer: files
+    `<stem>-00001-of-0000N.gguf` of at most that many tensors, the metadata in the first, `split.*` keys in each)
+    and return the first file."""
     if gguf_type not in _QTYPE:
         raise ValueError(f"gguf_type {gguf_type!r} not in {GGUF_TYPES}")
     path = Path(path) if path is not None else tiny.safetensors_dir.parent / f"{tiny.variant}-{gguf_type}.gguf"
@@ -502,7 +506,7 @@ def write_gguf(tiny: TinyModel, gguf_type: str = "F32", path: Path | None = None
     tensors = _llama_cpp_tensors(tiny.hf_model, family, **_layout)
     _check_names_known([name for name, _ in tensors], family, config.num_hidden_layers)
 
-    writer = gguf.GGUFWriter(str(path), family)  # writes general.architecture
+    writer = gguf.GGUFWriter(str(path), family, split_max_tensors=split_max_tensors)  # writes general.architecture
     writer.add_name(f"tiny-{tiny.variant}")
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -562,7 +566,7 @@ def write_gguf(tiny: TinyModel, gguf_type: str = "F32", path: Path | None = None
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
+    return writer.format_shard_names(path)[0]
 
 
 def reference_model(tiny: TinyModel, gguf_type: str):

@@ -3,6 +3,7 @@ installed packages (no model is loaded), and `emberserve models`, the table they
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -41,7 +42,7 @@ def test_model_info_tells_chat_base_and_embedding_models_apart() -> None:
     assert smol.parameters == sum(int(t.n_elements) for t in reader.tensors)
     assert smol.context_length == reader.fields["llama.context_length"].contents()
     assert (smol.quantization, gemma.quantization, minilm.quantization) == ("Q4_1", "Q4_K_M", "F32")
-    with pytest.raises(ValueError, match="unknown model 'ghost'; the known models are smollm2-135m"):
+    with pytest.raises(ValueError, match=r"model not found: 'ghost' is neither a known model name \(smollm2-135m, "):
         server.model_info("ghost")
 
 
@@ -83,8 +84,12 @@ def test_is_generator_model_for_names_files_and_directories(tmp_path: Path) -> N
     assert not server.is_generator_model("no-such-model")
 
 
-def test_emberserve_models_prints_a_table_of_every_known_model() -> None:
-    done = subprocess.run([sys.executable, "-m", "server", "models"], capture_output=True, text=True, timeout=120)
+def test_emberserve_models_prints_a_table_of_every_known_model(tmp_path: Path) -> None:
+    # an empty Hugging Face cache: `models` (the old name of `list`) lists what it holds as well (tests/e2e/test_hub.py)
+    env = {**os.environ, "HF_HOME": str(tmp_path)}
+    env.pop("HF_HUB_CACHE", None)
+    done = subprocess.run([sys.executable, "-m", "server", "models"], capture_output=True, text=True, timeout=120,
+                          env=env)
     assert done.returncode == 0, done.stderr
     header, *rows = done.stdout.splitlines()
     assert header.split() == ["name", "family", "parameters", "quantization", "context", "size", "kind", "installed"]
@@ -97,3 +102,34 @@ def test_emberserve_models_prints_a_table_of_every_known_model() -> None:
     smol = next(row for row in rows if row.startswith("smollm2-135m "))
     assert smol.split()[2] == "135M"  # SmolLM2-135M
     assert [row.split()[-2] for row in rows] == ["chat", "base", "embedding"]
+
+
+def test_paths_are_models_too_and_a_models_dir_lists_its_own(tiny_gguf: Path, tmp_path: Path) -> None:
+    split_dir = tmp_path / "models"
+    split_dir.mkdir()
+    for part in sorted(tiny_gguf.parent.glob("tiny-Q4_0-*-of-*.gguf")):
+        (split_dir / part.name).write_bytes(part.read_bytes())
+    (split_dir / "mmproj-tiny-F16.gguf").write_bytes(tiny_gguf.read_bytes())  # a sidecar, not a model
+    (split_dir / "readme.txt").write_text("not a model")
+    (split_dir / "empty").mkdir()
+    first = split_dir / "tiny-Q4_0-00001-of-00003.gguf"
+    info = server.model_info(str(first))
+    assert (info.name, info.family, info.quantization, info.installed, info.install) == \
+        (str(first), "llama", "Q4_0", True, "")
+    assert info.kind == "chat" and info.size_bytes == sum(p.stat().st_size for p in split_dir.glob("tiny-Q4_0-*"))
+    assert [i.name for i in server.list_models(split_dir)][len(KNOWN_MODELS):] == [str(first)]
+    with pytest.raises(ValueError, match="models directory not found"):
+        server.list_models(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match=r"'a/b:Q8_0' is not downloaded \(nor an existing path\); run: emberserve "
+                                         r"pull a/b:Q8_0"):
+        server.model_info("a/b:Q8_0")
+    assert not server.is_generator_model("a/b:Q8_0")
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model's Q4_0 GGUF split in three, and its first file."""
+    from tests.support.tiny_models import build_tiny_model, write_gguf
+
+    tiny = build_tiny_model("llama_tied", tmp_path_factory.mktemp("tiny"))
+    return write_gguf(tiny, "Q4_0", tiny.safetensors_dir.parent / "tiny-Q4_0.gguf", split_max_tensors=8)

@@ -17,6 +17,7 @@ import jsonschema
 import pytest
 
 from engine import Runner
+from engine.errors import ModelNotPulledError
 from server import GeneratedText, GenerationError, Generator, SyncGenerator
 from server.config.presets import PRESETS
 from tests.support.greedy_reference import Reference, spanning_stop
@@ -265,6 +266,13 @@ def test_the_builder_and_the_sync_wrapper_serve_the_real_model(smollm: Runner, r
         assert runner.blocks.num_used == 0
     with pytest.raises(GenerationError, match="closed"):
         asyncio.run(gen.generator.generate(prompt))
+
+
+def test_offline_refuses_a_model_not_pulled_and_contradicts_pull() -> None:
+    with pytest.raises(ModelNotPulledError, match=r"run: emberserve pull nobody/nothing-GGUF:Q8_0"):
+        Generator.builder("nobody/nothing-GGUF:Q8_0").offline().quiet().build_sync()
+    with pytest.raises(ValueError, match=r"offline\(\) and pull\(\) contradict each other"):
+        Generator.builder("nobody/nothing-GGUF:Q8_0").offline().pull().build_sync()
 
 
 def test_serving_freezes_the_heap_it_starts_with_and_a_stopped_pool_lets_it_go(smollm: Runner) -> None:
