@@ -1,7 +1,7 @@
 """`show_model` (`emberserve show`): what a model is and how emberserve will talk to it, from its files alone: its
 facts (`ModelInfo`), architecture, the chat template chats are rendered with and where it comes from, the sampling
-defaults it comes with, whether the template thinks aloud in `<think>` blocks, and the tool-call format its
-template was trained on (server/api/openai/tool_calls.py)."""
+defaults it comes with, the reasoning format `--reasoning-parser auto` finds for it (server/reasoning/formats.py),
+and the tool-call format its template was trained on (server/api/openai/tool_calls.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,8 +14,7 @@ from engine.weights.summary import generation_defaults, model_config, model_toke
 from server.api.openai.tool_calls import tool_format
 from server.api.tool_parser import ToolFormatName
 from server.config.model_catalog import ModelInfo, model_info
-
-THINK_TAG = "<think>"
+from server.reasoning.formats import ReasoningFormat, detect_format
 
 
 @dataclass(frozen=True)
@@ -29,7 +28,7 @@ class ModelCard:
     generation_defaults: dict[str, Any]    # the sampling values requests fall back on
     chat_template: str | None
     template_source: Literal["model", "registry", "fallback"] | None
-    reasoning: bool                        # the template writes <think> blocks
+    reasoning: ReasoningFormat | None      # how its thinking is told from its answer (auto); None: it has none
     tool_format: ToolFormatName | None     # how tool calls are written: hermes, llama3 or generic
 
     def text(self) -> str:
@@ -46,8 +45,9 @@ class ModelCard:
                  ("generation", ", ".join(f"{k} {v}" for k, v in self.generation_defaults.items())
                   or "none: a request's own values, or the server's")]
         if self.chat_template is not None:
-            facts += [("reasoning", f"yes: the template writes {THINK_TAG} blocks" if self.reasoning else
-                       f"no {THINK_TAG} in the template"),
+            fmt = self.reasoning
+            facts += [("reasoning", "none found" if fmt is None else
+                       f"{fmt.name}: thinking between {fmt.start} and {fmt.end}, apart from the answer"),
                       ("tools", f"{self.tool_format} tool-call format"),
                       ("template", f"from the {self.template_source}" if self.template_source != "fallback"
                        else "none in the files: emberserve's fallback")]
@@ -66,14 +66,17 @@ def show_model(name: str) -> ModelCard:
         raise ValueError(f"{name} is not installed; run: {info.install}")
     known = KNOWN_MODELS.get(name)
     config = model_config(info.path)
-    template = source = tools = None
+    template = source = tools = reasoning = None
     if info.generator:
-        template = model_tokenizer(info.path, known).chat_template
+        tokenizer = model_tokenizer(info.path, known)
+        template = tokenizer.chat_template
+        # what `--reasoning-parser auto` picks when the model is served (server/scheduling/loading.py)
+        reasoning = detect_format(template, lambda text: tokenizer.encode(text, add_special_tokens=False))
         source = "registry" if known is not None and known.chat_template is not None else \
             "model" if read_summary(info.path).has_chat_template else "fallback"
         tools = tool_format(template)
     return ModelCard(info=info, config=dataclasses.asdict(config),
                      generation_defaults=generation_defaults(info.path, known), chat_template=template,
-                     template_source=source, reasoning=template is not None and THINK_TAG in template,
+                     template_source=source, reasoning=reasoning,
                      tool_format=tools)
 

@@ -29,24 +29,24 @@ AUTO, NONE = "auto", "none"
 ReasoningParserName = Literal[AUTO, NONE, *REASONING_FORMATS]  # type: ignore[valid-type]
 
 
-def detect_format(template: str | None, single_token: Callable[[str], bool]) -> ReasoningFormat | None:
-    """The format a model uses, from its chat template's source and its vocabulary (`single_token(text)`: whether
-    `text` is one token); None when neither shows one."""
+def detect_format(template: str | None, encode: Callable[[str], Sequence[int]]) -> ReasoningFormat | None:
+    """The format a model uses, from its chat template's source and its vocabulary (`encode`: text to its ids,
+    no special tokens added); None when neither shows one."""
     for fmt in REASONING_FORMATS.values():
         if template and fmt.end in template:
             return fmt
     for fmt in REASONING_FORMATS.values():
-        if single_token(fmt.start) and single_token(fmt.end):
+        if len(encode(fmt.start)) == 1 and len(encode(fmt.end)) == 1:
             return fmt
     return None
 
 
-def choose_format(parser: str, template: str | None, single_token: Callable[[str], bool]) -> ReasoningFormat | None:
+def choose_format(parser: str, template: str | None, encode: Callable[[str], Sequence[int]]) -> ReasoningFormat | None:
     """The format `--reasoning-parser` names (auto: detected; none: None)."""
     if parser == NONE:
         return None
     if parser == AUTO:
-        return detect_format(template, single_token)
+        return detect_format(template, encode)
     return REASONING_FORMATS[parser]
 
 

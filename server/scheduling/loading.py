@@ -135,7 +135,7 @@ def model_state(settings: Settings, runner: Runner | ServedModel, pool: Pool,
     tokenizer = runner.tokenizer
     reasoning = None if runner.is_encoder else choose_format(
         settings.reasoning_parser, tokenizer.chat_template,
-        lambda text: len(tokenizer.encode(text, add_special_tokens=False)) == 1)
+        lambda text: tokenizer.encode(text, add_special_tokens=False))
     if reasoning is not None:
         log.info("reasoning: %s (thinking between %s and %s, apart from the answer)", reasoning.name, reasoning.start,
                  reasoning.end)
