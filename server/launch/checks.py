@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from engine import DeviceError, ModelFormatError, ModelNotInstalledError
 from engine.registry import model_path
 
+from server.config.served_models import servable_models
 from server.config.settings import SELF_DRAFTS, Settings, env_name, flag_name
 
 EXIT_FAILED = 1  # a command that ran could not do its work (say, the chat's server refused it)
@@ -47,13 +48,14 @@ def check_loadable(settings: Settings) -> None:
     """CommandError unless the model (and the draft model) can be found and the device exists: settled before
     the port is bound or anything loads, so that a start that cannot work ends at once."""
     try:
-        model_path(settings.model)
+        for source in [m.source for m in servable_models(settings)] if settings.serves_many else [settings.model]:
+            model_path(source)
         if settings.draft_model is not None and settings.draft_model not in SELF_DRAFTS:
             model_path(settings.draft_model, "draft model", also=tuple(SELF_DRAFTS))
         from engine.loader.devices import check_device  # torch: only once the flags are known to be good
 
         check_device(settings.device)
-    except (ModelNotInstalledError, ModelFormatError, DeviceError) as e:
+    except (ModelNotInstalledError, ModelFormatError, DeviceError, ValueError) as e:
         raise CommandError(str(e)) from None
 
 
