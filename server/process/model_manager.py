@@ -76,6 +76,7 @@ class ManagedModel(Generic[T]):
     last_used: float = 0.0               # time.monotonic() of its last use
     memory: int = 0                      # what it takes (bytes): measured while loaded, else expected
     facts: ModelFacts | None = None      # known once it has loaded
+    no_room: APIError | None = None      # why its load waits, while it waits for room
 
     @property
     def id(self) -> str:
@@ -85,6 +86,11 @@ class ManagedModel(Generic[T]):
     def busy(self) -> bool:
         """A request holds it, or its engine is working on (or holding a stream for) one."""
         return self.leases > 0 or (self.client is not None and self.client.in_flight > 0)
+
+
+def _no_room(model: ManagedModel[T], why: str) -> APIError:
+    return APIError(503, f"no room to load the model `{model.id}`: {why}; retry once their requests finish",
+                    code="no_room_for_model", headers={"Retry-After": RETRY_AFTER_S})
 
 
 class ModelManager(Generic[T]):
@@ -131,15 +137,20 @@ class ModelManager(Generic[T]):
         model.leases -= 1
         model.last_used = time.monotonic()
 
-    async def loaded(self, model: ManagedModel[T]) -> None:
-        """Return once `model` is loaded: start its load if none runs; 503 with Retry-After past --load-timeout,
-        or the load's own error."""
+    async def loaded(self, model: ManagedModel[T], wait: bool = False) -> None:
+        """Return once `model` is loaded: start its load if none runs; 503 with Retry-After past --load-timeout
+        (`wait`: no time limit), or the load's own error."""
         while model.state is not Load.LOADED:
             if model.loading is None:
                 model.loading = asyncio.get_running_loop().create_task(self._load(model))
+                # A load nobody waits for any more (they timed out) may still fail: its error is theirs, not
+                # asyncio's "never retrieved".
+                model.loading.add_done_callback(lambda task: task.cancelled() or task.exception())
             try:  # shielded: a request that gives up leaves the load to finish for the next one
-                await asyncio.wait_for(asyncio.shield(model.loading), self.settings.load_timeout)
+                await asyncio.wait_for(asyncio.shield(model.loading), None if wait else self.settings.load_timeout)
             except TimeoutError:
+                if model.no_room is not None:  # its load waits for models in use to finish
+                    raise model.no_room from None
                 raise APIError(503, f"the model `{model.id}` is still loading after {self.settings.load_timeout:g} "
                                "s (--load-timeout); retry shortly", code="model_loading",
                                headers={"Retry-After": RETRY_AFTER_S}) from None
@@ -160,7 +171,7 @@ class ModelManager(Generic[T]):
     # ---- start and stop ----
     async def start(self) -> None:
         """Load the default model (its failure raised: the server cannot start) and start watching for idle ones."""
-        await self.loaded(self.default)
+        await self.loaded(self.default, wait=True)  # as long as it takes, as the one-model server's start
         self._watch = asyncio.get_running_loop().create_task(self._watch_idle())
 
     async def stop(self) -> None:
@@ -188,7 +199,7 @@ class ModelManager(Generic[T]):
             settings = self.settings.model_copy(update={"model": model.spec.source, "kv_cache_memory": kv,
                                                         "served_model_name": None})
             started = time.perf_counter()
-            client = EngineClient(settings, lambda reason: self._engine_failed(model, reason))
+            client = EngineClient(settings, lambda reason: self._engine_failed(model, client, reason))
             served = await in_own_thread(client.wait_ready, lambda _: client.kill(), client.kill)
             await client.attach()
             # No grammar vocabulary built ahead (its thread would compete with the other models' streams, and it
@@ -205,12 +216,11 @@ class ModelManager(Generic[T]):
             model.state = Load.UNLOADED
             if client is not None and model.client is not client:
                 client.kill()
-            if isinstance(e, ValueError):  # what the engine process said of a model that cannot load
-                log.error("cannot load model %s: %s", model.id, e)
-                raise APIError(500, f"the model `{model.id}` cannot load: {e}", code="model_load_failed") from None
-            if isinstance(e, OSError):  # its files, read for their size
-                raise APIError(500, f"the model `{model.id}` cannot load: {e}", code="model_load_failed") from None
-            raise
+            if isinstance(e, APIError) or not isinstance(e, Exception):  # no room; or cancelled (the server stops)
+                raise
+            # What the engine process said of a model that cannot load, or what is wrong with its files.
+            log.error("cannot load model %s: %s", model.id, e)
+            raise APIError(500, f"the model `{model.id}` cannot load: {e}", code="model_load_failed") from None
         finally:
             model.loading = None
 
@@ -220,47 +230,48 @@ class ModelManager(Generic[T]):
         limit, needed = self.settings.max_loaded_models, model.memory
         deadline = time.monotonic() + self.settings.load_timeout
         async with self._room:
-            while True:
-                others = [m for m in self.models.values() if m is not model and m.state is not Load.UNLOADED]
-                used = sum(m.memory for m in others)
-                too_many = limit is not None and len(others) >= limit
-                too_big = used + needed > self.budget
-                if not too_many and not too_big:
-                    return
-                idle = sorted((m for m in others if m.state is Load.LOADED and not m.busy),
-                              key=lambda m: m.last_used)
-                if idle:
-                    await self._unload(idle[0], "least recently used, to make room for " + model.id)
-                    continue
-                if too_big and not others:
-                    raise APIError(503, f"the model `{model.id}` needs about {needed >> 20} MiB, more than the "
-                                   f"memory budget of {self.budget >> 20} MiB (--memory-budget)",
-                                   code="model_too_large")
-                if time.monotonic() >= deadline:
+            try:
+                while True:
+                    others = [m for m in self.models.values() if m is not model and m.state is not Load.UNLOADED]
+                    used = sum(m.memory for m in others)
+                    too_many = limit is not None and len(others) >= limit
+                    if not too_many and used + needed <= self.budget:
+                        return
+                    idle = sorted((m for m in others if m.state is Load.LOADED and not m.busy),
+                                  key=lambda m: m.last_used)
+                    if idle:
+                        await self._unload(idle[0], "least recently used, to make room for " + model.id)
+                        continue
+                    if not others:
+                        raise APIError(503, f"the model `{model.id}` needs about {-(-needed >> 20)} MiB, more than "
+                                       f"the memory budget of {self.budget >> 20} MiB (--memory-budget)",
+                                       code="model_too_large")
                     why = (f"{len(others)} models are loaded (--max-loaded-models {limit})" if too_many else
-                           f"it needs about {needed >> 20} MiB and the loaded models take {used >> 20} MiB of "
-                           f"the memory budget of {self.budget >> 20} MiB")
-                    raise APIError(503, f"no room to load the model `{model.id}`: {why}, all of them in use "
-                                   f"({', '.join(m.id for m in others)}); retry once their requests finish",
-                                   code="no_room_for_model", headers={"Retry-After": RETRY_AFTER_S})
-                await asyncio.sleep(ROOM_POLL_S)
+                           f"it needs about {-(-needed >> 20)} MiB and the loaded models take {used >> 20} MiB "
+                           f"of the memory budget of {self.budget >> 20} MiB")
+                    model.no_room = _no_room(model, f"{why}, all of them in use ({', '.join(m.id for m in others)})")
+                    if time.monotonic() >= deadline:
+                        raise model.no_room
+                    await asyncio.sleep(ROOM_POLL_S)
+            finally:
+                model.no_room = None
 
     # ---- unloading ----
     async def _unload(self, model: ManagedModel[T], reason: str) -> None:
         """Stop the model's engine process; its memory goes back to the system."""
+        log.info("unloading %s (%s)", model.id, reason)
         client = model.client
         model.state, model.client, model.model, model.serving = Load.UNLOADED, None, None, None
         if client is not None:
             await client.close()
         gc.collect()  # its tokenizer and serving objects in this process, then the heap pages they held
         trim_malloc()
-        log.info("unloaded %s (%s)", model.id, reason)
 
-    def _engine_failed(self, model: ManagedModel[T], reason: str) -> None:
+    def _engine_failed(self, model: ManagedModel[T], client: EngineClient, reason: str) -> None:
         """A model's engine process died or its worker stopped (its requests have failed with a 500): the model is
         unloaded, and loaded again by the next request for it."""
         log.error("model %s: %s; unloading it", model.id, reason)
-        if model.state is Load.LOADED:
+        if model.client is client and model.state is Load.LOADED:
             asyncio.get_running_loop().create_task(self._unload(model, "its engine failed"))
 
     async def _watch_idle(self) -> None:
