@@ -61,10 +61,13 @@ def alias_of(settings: Settings, name: str) -> str | None:
     """The alias --served-model-name gives the one model (`name`: its runner's name), if any: a plain alias as it
     is, or the one of a MODEL=alias pair naming it."""
     given = settings.served_model_name
-    if given is None or "=" not in given:
-        return given
-    names = aliases(settings)
-    return names.get(settings.model) or names.get(name) or given
+    if given is None:
+        return None
+    for part in given.split(","):
+        model, sep, alias = part.rpartition("=")
+        if sep and model.strip() in (settings.model, name):
+            return alias.strip()
+    return given
 
 
 def servable_models(settings: Settings) -> list[ServableModel]:
@@ -87,6 +90,6 @@ def servable_models(settings: Settings) -> list[ServableModel]:
         seen[model_id] = source
         models.append(ServableModel(model_id, source))
     if names:
-        raise ValueError(f"--served-model-name names {', '.join(map(repr, names))}, which is not a served model "
-                         f"(they are {', '.join(m.source for m in models)})")
+        raise ValueError(f"--served-model-name gives an alias to {', '.join(map(repr, names))}, not a served "
+                         f"model (they are {', '.join(m.source for m in models)})")
     return models

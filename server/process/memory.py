@@ -3,8 +3,9 @@ model's KV cache within its share of it, its weights' size, and what its engine 
 loaded (`tree_rss`)."""
 from __future__ import annotations
 
-import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -16,7 +17,6 @@ from engine.weights.summary import read_summary
 
 from server.config.settings import Settings
 
-log = logging.getLogger("emberserve")
 BUDGET_SHARE = 0.9  # of the memory there is, as the engine leaves a tenth of a GPU's free memory to others
 # The least KV cache a model gets when its share of the budget, less its weights, comes to less: a small pool
 # that serves a few sequences, rather than a refusal decided before the model's real size is known.
@@ -35,8 +35,14 @@ def available_memory() -> int:
 
 
 def gpu_memory(device: str) -> int:
-    """The GPU's total memory in bytes. Read through torch, which then holds a CUDA context in this process."""
-    return torch.cuda.get_device_properties(torch.device(device)).total_memory
+    """The GPU's total memory in bytes, asked of torch in a process of its own: in this one, CUDA would keep a
+    context (and its memory on the GPU) for as long as the server runs."""
+    probe = f"import torch; print(torch.cuda.get_device_properties(torch.device({device!r})).total_memory)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ValueError(f"cannot read the memory of {device} ({last}): set --memory-budget")
+    return int(done.stdout)
 
 
 def memory_budget(settings: Settings) -> int:
