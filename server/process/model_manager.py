@@ -209,7 +209,7 @@ class ModelManager(Generic[T]):
             model.facts, model.state = ModelFacts.of(served), Load.LOADED
             model.last_used = time.monotonic()
             if self.measured:  # what the engine process itself takes beside the weights and KV cache, learnt
-                model.memory = tree_rss(client.pid)
+                self._measure([model])
                 self.overhead = max(0, model.memory - weights - (kv or 0))
             log.info("loaded %s in %.1fs (engine process %s)", model.id, time.perf_counter() - started, client.pid)
         except BaseException as e:
@@ -233,6 +233,7 @@ class ModelManager(Generic[T]):
             try:
                 while True:
                     others = [m for m in self.models.values() if m is not model and m.state is not Load.UNLOADED]
+                    self._measure(others)
                     used = sum(m.memory for m in others)
                     too_many = limit is not None and len(others) >= limit
                     if not too_many and used + needed <= self.budget:
@@ -255,6 +256,12 @@ class ModelManager(Generic[T]):
                     await asyncio.sleep(ROOM_POLL_S)
             finally:
                 model.no_room = None
+
+    def _measure(self, models: list[ManagedModel[T]]) -> None:
+        """What the loaded ones of `models` take now (on CPU: their KV caches and heaps grow as they serve)."""
+        for model in models:
+            if self.measured and model.state is Load.LOADED and model.client is not None and model.client.pid:
+                model.memory = tree_rss(model.client.pid)
 
     # ---- unloading ----
     async def _unload(self, model: ManagedModel[T], reason: str) -> None:
@@ -282,8 +289,6 @@ class ModelManager(Generic[T]):
             for model in self.models.values():
                 if model.state is not Load.LOADED:
                     continue
-                if self.measured and model.client is not None and model.client.pid is not None:
-                    model.memory = tree_rss(model.client.pid)  # its KV cache and heap grow as it serves
                 if model.busy:
                     model.last_used = now  # a stream in progress is use, however long ago its request came
                 elif idle_unload is not None and now - model.last_used >= idle_unload:

@@ -7,13 +7,16 @@ streams, whose inter-token latency stays within noise; an unknown model is a 404
 /metrics has each model's state and labelled figures; unloading gives the process tree's memory back; with
 --max-loaded-models 1 the least recently used idle model is unloaded, never one under a live stream (a request
 that finds no room waits --load-timeout, then 503 with Retry-After); --idle-unload unloads a model nobody uses;
-SIGTERM with several models loaded exits 0 and leaves no process behind.
+an engine process that dies unloads its model, loaded again by the next request; SIGTERM with several models
+loaded exits 0 and leaves no process behind.
 
 The tests of the `many` server run in file order: they load and unload its models in turn.
 """
 from __future__ import annotations
 
 import asyncio
+import os
+import re
 import signal
 import statistics
 import threading
@@ -222,6 +225,20 @@ def test_a_model_is_never_unloaded_under_a_stream(many: ServerProcess, http: htt
         rest = [line for line in lines if line.startswith("data:")]
     assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2]
     assert states(http)[DEFAULT]["state"] == "loaded"
+
+
+def test_a_model_whose_engine_dies_is_unloaded_then_loads_again(many: ServerProcess, http: httpx.Client) -> None:
+    pid = int(re.findall(rf"loaded {FOUND[1]} in [\d.]+s \(engine process (\d+)\)", many.log())[-1])
+    assert pid in engines(many)
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while states(http)[FOUND[1]]["state"] != "unloaded":
+        assert time.monotonic() < deadline, many.log()
+        time.sleep(0.1)
+    assert not wait_gone({pid}) and http.get("/health").status_code == 200
+    assert [c["state"] for c in states(http).values()] == ["loaded", "loaded", "unloaded", "unloaded"]
+    answer = _client(many).chat.completions.create(model=FOUND[1], messages=HI, max_tokens=1)
+    assert answer.model == FOUND[1] and len(engines(many)) == 3
 
 
 def test_sigterm_with_several_models_loaded_exits_0_and_leaves_no_process(many: ServerProcess,
