@@ -109,8 +109,9 @@ class Settings(BaseSettings):
     memory_budget: Bytes | None = Field(
         None, description="with several models, the memory the loaded ones may take together (weights, KV "
                           "caches, their processes): a load that does not fit unloads idle models first, else is "
-                          "refused; a model's KV cache is at most its share (default: 90% of the memory available "
-                          "at start-up, of the GPU's on CUDA)")
+                          "refused; a model's KV cache is at most its share (the budget over --max-loaded-models) "
+                          "less its weights (default: 90% of the memory available at start-up, of the GPU's on "
+                          "CUDA)")
     host: str = Field(DEFAULT_HOST, description="address to listen on (0.0.0.0 in the container image)")
     port: int = Field(DEFAULT_PORT, ge=0, le=65535, description="port to listen on")
     device: Annotated[str, BeforeValidator(resolve_device)] = Field(

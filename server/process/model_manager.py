@@ -103,8 +103,9 @@ class ModelManager(Generic[T]):
         self.models: dict[str, ManagedModel[T]] = {m.id: ManagedModel(m) for m in servable_models(settings)}
         self.default = next(iter(self.models.values()))
         self.budget = memory_budget(settings)
-        # Each model's share of the budget sizes its KV cache: one of --max-loaded-models, else of every model.
-        self.share = self.budget // (settings.max_loaded_models or len(self.models))
+        # A model's share of the budget bounds its KV cache: one --max-loaded-models'th, else all of it (on a GPU,
+        # where the KV cache takes what the share leaves, that is one model at a time, as the one-model server).
+        self.share = self.budget // (settings.max_loaded_models or 1)
         # On CPU what a loaded model takes is measured (its engine process tree's RSS), and what an engine process
         # takes beside its weights and KV cache learnt from it; on a GPU the weights and KV cache are counted.
         self.measured = settings.device == "cpu"
@@ -211,7 +212,8 @@ class ModelManager(Generic[T]):
             if self.measured:  # what the engine process itself takes beside the weights and KV cache, learnt
                 self._measure([model])
                 self.overhead = max(0, model.memory - weights - (kv or 0))
-            log.info("loaded %s in %.1fs (engine process %s)", model.id, time.perf_counter() - started, client.pid)
+            log.info("loaded %s in %.1fs (engine process %s, %d MiB)", model.id, time.perf_counter() - started,
+                     client.pid, model.memory >> 20)
         except BaseException as e:
             model.state = Load.UNLOADED
             if client is not None and model.client is not client:
@@ -228,6 +230,9 @@ class ModelManager(Generic[T]):
         """Unload idle models, least recently used first, until `model` fits --max-loaded-models and the memory
         budget; wait for busy ones up to --load-timeout, then 503 saying why."""
         limit, needed = self.settings.max_loaded_models, model.memory
+        if needed > self.budget:  # not even alone: nothing is unloaded for it
+            raise APIError(503, f"the model `{model.id}` needs about {-(-needed >> 20)} MiB, more than the memory "
+                           f"budget of {self.budget >> 20} MiB (--memory-budget)", code="model_too_large")
         deadline = time.monotonic() + self.settings.load_timeout
         async with self._room:
             try:
@@ -243,10 +248,6 @@ class ModelManager(Generic[T]):
                     if idle:
                         await self._unload(idle[0], "least recently used, to make room for " + model.id)
                         continue
-                    if not others:
-                        raise APIError(503, f"the model `{model.id}` needs about {-(-needed >> 20)} MiB, more than "
-                                       f"the memory budget of {self.budget >> 20} MiB (--memory-budget)",
-                                       code="model_too_large")
                     why = (f"{len(others)} models are loaded (--max-loaded-models {limit})" if too_many else
                            f"it needs about {-(-needed >> 20)} MiB and the loaded models take {used >> 20} MiB "
                            f"of the memory budget of {self.budget >> 20} MiB")
