@@ -40,6 +40,7 @@ from tests.support.tiny_models import build_tiny_model
 DEFAULT = "smollm2-135m"
 ALIASED = "tiny-llama"            # --model DIR with --served-model-name DIR=tiny-llama
 FOUND = ["tiny-gemma3", "tiny-qwen3"]  # under --models-dir, by their directories' names
+BROKEN = "broken-model"  # under --models-dir too: a config.json and nothing else
 HI = [{"role": "user", "content": "Hi"}]
 
 
@@ -51,6 +52,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     found = root / "models"
     found.mkdir()
     dirs = {ALIASED: build_tiny_model("llama_tied", root).safetensors_dir}
+    (found / BROKEN).mkdir()
+    (found / BROKEN / "config.json").write_text("{}")
     for name, variant in zip(FOUND, ["gemma3", "qwen3"]):
         (found / name).symlink_to(build_tiny_model(variant, root).safetensors_dir, target_is_directory=True)
         dirs[name] = found / name
@@ -111,17 +114,17 @@ def engines(srv: ServerProcess) -> set[int]:
 # ---- the `many` server: four models, the default loaded at start ----
 
 def test_every_servable_model_is_listed_with_its_state(many: ServerProcess, http: httpx.Client) -> None:
-    assert [m.id for m in _client(many).models.list().data] == [DEFAULT, ALIASED, *FOUND]
+    assert [m.id for m in _client(many).models.list().data] == [DEFAULT, ALIASED, BROKEN, *FOUND]
     cards = states(http)
     assert cards[DEFAULT]["state"] == "loaded" and cards[DEFAULT]["details"]["family"] == "llama"
     tokenized = http.post("/tokenize", json={"model": DEFAULT, "prompt": "Hi"}).json()
     assert cards[DEFAULT]["max_model_len"] == tokenized["max_model_len"] > 0
-    for name in (ALIASED, *FOUND):
+    for name in (ALIASED, BROKEN, *FOUND):
         assert (cards[name]["state"], cards[name]["max_model_len"], cards[name]["details"]) == ("unloaded", None, None)
     assert http.get(f"/v1/models/{FOUND[0]}").json() == cards[FOUND[0]]
     health = http.get("/health").json()
     assert health["model"] == DEFAULT and health["models"] == {m: c["state"] for m, c in cards.items()}
-    assert model_states(http) == {DEFAULT: 2, ALIASED: 0, FOUND[0]: 0, FOUND[1]: 0}
+    assert model_states(http) == {DEFAULT: 2, ALIASED: 0, BROKEN: 0, FOUND[0]: 0, FOUND[1]: 0}
     assert len(engines(many)) == 1
 
 
@@ -130,7 +133,7 @@ def test_an_unknown_model_is_a_404_listing_the_servable_ones(many: ServerProcess
         _client(many).chat.completions.create(model="gpt-4o", messages=HI, max_tokens=1)
     error = raised.value.body
     assert error["code"] == "model_not_found" and error["param"] == "model"
-    assert all(f"`{name}`" in error["message"] for name in (DEFAULT, ALIASED, *FOUND)), error
+    assert all(f"`{name}`" in error["message"] for name in (DEFAULT, ALIASED, BROKEN, *FOUND)), error
     for path, body in [("/tokenize", {"model": "gpt-4o", "prompt": "Hi"}),
                        ("/models/load", {"model": "gpt-4o"})]:
         r = http.post(path, json=body)
@@ -138,7 +141,16 @@ def test_an_unknown_model_is_a_404_listing_the_servable_ones(many: ServerProcess
     assert http.get("/v1/models/gpt-4o").status_code == 404
     r = http.post("/v1/messages", json={"model": "gpt-4o", "max_tokens": 1, "messages": HI})
     assert r.status_code == 404 and r.json()["type"] == "error", r.text  # Anthropic's envelope
-    assert list(states(http)) == [DEFAULT, ALIASED, *FOUND]
+    assert list(states(http)) == [DEFAULT, ALIASED, BROKEN, *FOUND]
+
+
+def test_a_model_that_cannot_load_is_a_500_saying_why_and_stays_unloaded(many: ServerProcess,
+                                                                         http: httpx.Client) -> None:
+    with pytest.raises(openai.InternalServerError) as raised:
+        _client(many).chat.completions.create(model=BROKEN, messages=HI, max_tokens=1)
+    error = raised.value.body
+    assert error["code"] == "model_load_failed" and f"the model `{BROKEN}` cannot load" in error["message"], error
+    assert states(http)[BROKEN]["state"] == "unloaded" and http.get("/health").status_code == 200
 
 
 def test_three_models_answer_at_once(many: ServerProcess, http: httpx.Client, tiny: dict[str, Path]) -> None:
@@ -164,7 +176,7 @@ def test_three_models_answer_at_once(many: ServerProcess, http: httpx.Client, ti
         assert (value(after, "generation_tokens_total", model=name)
                 - value(before, "generation_tokens_total", model=name)) == 8, name
         assert value(after, "request_success_total", model=name, finished_reason="length") >= 1, name
-    assert model_states(http) == {DEFAULT: 2, ALIASED: 2, FOUND[0]: 0, FOUND[1]: 2}
+    assert model_states(http) == {DEFAULT: 2, ALIASED: 2, BROKEN: 0, FOUND[0]: 0, FOUND[1]: 2}
     assert len(engines(many)) == 3
 
 
@@ -259,14 +271,14 @@ def test_a_model_whose_engine_dies_is_unloaded_then_loads_again(many: ServerProc
         assert time.monotonic() < deadline, many.log()
         time.sleep(0.1)
     assert not wait_gone({pid}) and http.get("/health").status_code == 200
-    assert [c["state"] for c in states(http).values()] == ["loaded", "loaded", "unloaded", "unloaded"]
+    assert [c["state"] for c in states(http).values()] == ["loaded", "loaded", "unloaded", "unloaded", "unloaded"]
     answer = _client(many).chat.completions.create(model=FOUND[1], messages=HI, max_tokens=1)
     assert answer.model == FOUND[1] and len(engines(many)) == 3
 
 
 def test_sigterm_with_several_models_loaded_exits_0_and_leaves_no_process(many: ServerProcess,
                                                                          http: httpx.Client) -> None:
-    assert [c["state"] for c in states(http).values()] == ["loaded", "loaded", "unloaded", "loaded"]
+    assert [c["state"] for c in states(http).values()] == ["loaded", "loaded", "unloaded", "unloaded", "loaded"]
     children = descendants(many.process.pid)
     assert len(engines(many)) == 3
     many.process.send_signal(signal.SIGTERM)
