@@ -23,14 +23,11 @@ from server.api.openapi import install_openapi
 from server.api.json_body import JsonBodies
 from server.api.paths import PathAliases
 from server.api.request_context import REQUEST_ID_HEADER, RequestContext
-from server.api.routes import router
+from server.api.model_router import ModelRouter
+from server.api.routes import models_router, router
 from server.api.security import ApiKeyAuth, BodySizeLimit
 from server.api.state import AppState, Fronts, Servings, app_state
-from server.api.anthropic.serving import MessagesServing
-from server.api.openai.chat import ChatServing
-from server.api.openai.completions import CompletionServing
-from server.api.openai.embeddings import EmbeddingServing
-from server.api.responses.serving import ResponsesServing
+from server.api.responses.serving import StoredResponseReads
 from server.config.settings import Settings, device_default
 from server.process.client import EngineClient, EngineResponses
 from server.process.response_store import LocalResponses, ResponseStore
@@ -89,6 +86,12 @@ async def _load_in_background(app: FastAPI, settings: Settings, engine: tuple[An
         loop.call_soon_threadsafe(_stop_serving, app, reason)
 
     try:
+        if server.router is not None:
+            await server.router.start()
+            log.info("serving %s (default) and %d more models at http://%s:%d/v1%s", server.router.default.id,
+                     len(server.router.manager.models) - 1, settings.host, settings.port,
+                     " (API key required)" if settings.api_key else "")
+            return
         if engine is not None:
             state = await _attach_engine(settings, *engine, stopped_serving)
         elif device_default(settings, "engine_process"):
@@ -104,15 +107,16 @@ async def _load_in_background(app: FastAPI, settings: Settings, engine: tuple[An
         return
     metrics = server.metrics
     # One store for every HTTP process when there are several: the engine process's.
-    store = (EngineResponses(state.pool) if settings.api_server_count > 1 else
-             LocalResponses(ResponseStore(settings.responses_store_size, settings.responses_store_ttl)))
-    server.serving = Servings(chat=ChatServing(state, metrics), completions=CompletionServing(state, metrics),
-                              responses=ResponsesServing(state, metrics, store), messages=MessagesServing(state, metrics),
-                              embeddings=EmbeddingServing(state, metrics))
+    store = EngineResponses(state.pool) if settings.api_server_count > 1 else _local_store(settings)
+    server.serving = Servings.of(state, metrics, store)
     server.model = state
     log.info("serving %s at http://%s:%d/v1%s%s", state.model_id, settings.host, settings.port,
              f" with the {settings.preset} preset" if settings.preset else "",
              " (API key required)" if settings.api_key else "")
+
+
+def _local_store(settings: Settings) -> LocalResponses:
+    return LocalResponses(ResponseStore(settings.responses_store_size, settings.responses_store_ttl))
 
 
 def _stop_serving(app: FastAPI, reason: str) -> None:
@@ -150,6 +154,8 @@ def create_app(settings: Settings, engine: tuple[Any, ServedModel] | None = None
             state = server.model
             if state is not None:
                 state.pool.stop()
+            if server.router is not None:
+                await server.router.stop()
 
     # No redirect_slashes: a trailing slash is dropped before routing (server/api/paths.py), and a path that only
     # a slash more would match (/static, the chat page's folder) is a 404 envelope, not a 307 with an empty body.
@@ -160,11 +166,19 @@ def create_app(settings: Settings, engine: tuple[Any, ServedModel] | None = None
         return None if server.model is None else server.model.pool.stats()
 
     # The CLI replaces request_shutdown with a graceful stop of its uvicorn server; embedded uses get a SIGTERM.
-    server = AppState(settings=settings, metrics=ServerMetrics(pool_stats),
-                      request_shutdown=lambda: os.kill(os.getpid(), signal.SIGTERM))
+    shutdown = lambda: os.kill(os.getpid(), signal.SIGTERM)  # noqa: E731
+    if settings.serves_many:  # several models, each loaded when asked for (server/api/model_router.py)
+        store = _local_store(settings)  # one for every model: a response's id names no model
+        models = ModelRouter(settings, lambda state, metrics: Servings.of(state, metrics, store))
+        server = AppState(settings=settings, metrics=models.metrics, request_shutdown=shutdown, router=models,
+                          stored_responses=StoredResponseReads(store))
+    else:
+        server = AppState(settings=settings, metrics=ServerMetrics(pool_stats), request_shutdown=shutdown)
     app.state.server = server  # the app's one state object (server/api/state.py): read it with app_state(app)
     install_error_handlers(app)
     app.include_router(router)
+    if server.router is not None:
+        app.include_router(models_router)
     install_chat_page(app)
     install_openapi(app, api_key=settings.api_key is not None)
     _add_middleware(app, settings)
@@ -184,4 +198,6 @@ def _add_middleware(app: FastAPI, settings: Settings) -> None:
                            allow_headers=["Authorization", "Content-Type", "X-Request-Id", "X-Api-Key",
                                           "Anthropic-Version"],
                            expose_headers=[REQUEST_ID_HEADER], allow_credentials="*" not in settings.allowed_origins)
-    app.add_middleware(PathAliases, v1_paths=[route.path for route in router.routes if hasattr(route, "path")])
+    own = [route.path for route in models_router.routes] if settings.serves_many else []
+    app.add_middleware(PathAliases, v1_paths=[route.path for route in router.routes if hasattr(route, "path")],
+                       own_paths=own)

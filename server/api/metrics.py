@@ -6,6 +6,8 @@ running and waiting requests, KV blocks and prefix-cache figures are read from t
 """
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -41,80 +43,131 @@ def share_metrics_across_processes(directory: str) -> None:
 
 
 StatsSource = Callable[[], PoolStats | None]  # the served pool's `stats`; None while the model loads
+# A multi-model server's models at scrape time: each one's id, state (0 unloaded, 1 loading, 2 loaded) and pool
+# figures (None unless loaded).
+ModelsSource = Callable[[], list[tuple[str, int, PoolStats | None]]]
 
 
 class _PoolCollector:
-    """The worker pool's figures as gauges and counters at scrape time; zeros while the model loads."""
+    """The worker pool's figures as gauges and counters at scrape time; zeros while the model loads. On a
+    multi-model server, every loaded model's labelled by model, and each model's state (`model_state`)."""
 
-    def __init__(self, stats: StatsSource) -> None:
-        self.stats = stats
+    def __init__(self, stats: StatsSource | None, models: ModelsSource | None) -> None:
+        self.stats, self.models = stats, models
 
     def collect(self) -> Iterator[Metric]:
-        s = self.stats() or PoolStats()
-        total, queried, hits = s.kv_blocks_total, s.prefix_cache_queried_tokens, s.prefix_cache_hit_tokens
-        yield GaugeMetricFamily(f"{PREFIX}num_requests_running", "Requests whose sequences are in the running batch.",
-                                s.running)
-        yield GaugeMetricFamily(f"{PREFIX}num_requests_waiting", "Requests submitted and waiting to run.", s.queued)
-        yield GaugeMetricFamily(f"{PREFIX}kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).",
-                                s.kv_blocks_used / total if total else 0.0)
-        yield GaugeMetricFamily(f"{PREFIX}prefix_cache_hit_rate",
-                                "Prompt tokens found in the prefix cache / prompt tokens looked up, since start.",
-                                hits / queried if queried else 0.0)
-        yield CounterMetricFamily(f"{PREFIX}prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                  queried)
-        yield CounterMetricFamily(f"{PREFIX}prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits)
-        yield CounterMetricFamily(f"{PREFIX}num_preemptions", "Sequences preempted for lack of KV blocks.",
-                                  s.preemptions)
-        if s.speculative is not None:
-            yield from _speculation_metrics(s)
+        if self.models is None:
+            yield from _pool_metrics([], [([], self.stats() or PoolStats())])
+            return
+        models = self.models()
+        state = GaugeMetricFamily(f"{PREFIX}model_state", "Each servable model's state: 0 unloaded, 1 loading, "
+                                  "2 loaded.", labels=["model"])
+        for model, value, _ in models:
+            state.add_metric([model], value)
+        yield state
+        yield from _pool_metrics(["model"], [([model], s) for model, _, s in models if s is not None])
 
 
-def _speculation_metrics(s: PoolStats) -> Iterator[Metric]:
+Pools = list[tuple[list[str], PoolStats]]  # each pool's figures under its label values
+
+
+def _family(kind: type[Metric], name: str, doc: str, labels: list[str], pools: Pools,
+            value: Callable[[PoolStats], float]) -> Metric:
+    metric = kind(f"{PREFIX}{name}", doc, labels=labels)
+    for values, s in pools:
+        metric.add_metric(values, value(s))
+    return metric
+
+
+def _pool_metrics(labels: list[str], pools: Pools) -> Iterator[Metric]:
+    """The pools' figures, each pool's under its label values."""
+    yield _family(GaugeMetricFamily, "num_requests_running", "Requests whose sequences are in the running batch.",
+                  labels, pools, lambda s: s.running)
+    yield _family(GaugeMetricFamily, "num_requests_waiting", "Requests submitted and waiting to run.",
+                  labels, pools, lambda s: s.queued)
+    yield _family(GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).",
+                  labels, pools, lambda s: s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0)
+    yield _family(GaugeMetricFamily, "prefix_cache_hit_rate",
+                  "Prompt tokens found in the prefix cache / prompt tokens looked up, since start.", labels, pools,
+                  lambda s: s.prefix_cache_hit_tokens / s.prefix_cache_queried_tokens
+                  if s.prefix_cache_queried_tokens else 0.0)
+    yield _family(CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                  labels, pools, lambda s: s.prefix_cache_queried_tokens)
+    yield _family(CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                  labels, pools, lambda s: s.prefix_cache_hit_tokens)
+    yield _family(CounterMetricFamily, "num_preemptions", "Sequences preempted for lack of KV blocks.",
+                  labels, pools, lambda s: s.preemptions)
+    speculating = [(values, s) for values, s in pools if s.speculative is not None]
+    if speculating:
+        yield from _speculation_metrics(labels, speculating)
+
+
+def _speculation_metrics(labels: list[str], pools: Pools) -> Iterator[Metric]:
     """vLLM's spec_decode counters, and the acceptance rate and mean acceptance length they imply."""
-    yield CounterMetricFamily(f"{PREFIX}spec_decode_num_drafts", "Sequence steps that verified drafted tokens.",
-                              s.spec_decode_num_drafts)
-    yield CounterMetricFamily(f"{PREFIX}spec_decode_num_draft_tokens", "Tokens drafted for verification.",
-                              s.spec_decode_num_draft_tokens)
-    yield CounterMetricFamily(f"{PREFIX}spec_decode_num_accepted_tokens", "Drafted tokens the model accepted.",
-                              s.spec_decode_num_accepted_tokens)
+    yield _family(CounterMetricFamily, "spec_decode_num_drafts", "Sequence steps that verified drafted tokens.",
+                  labels, pools, lambda s: s.spec_decode_num_drafts)
+    yield _family(CounterMetricFamily, "spec_decode_num_draft_tokens", "Tokens drafted for verification.",
+                  labels, pools, lambda s: s.spec_decode_num_draft_tokens)
+    yield _family(CounterMetricFamily, "spec_decode_num_accepted_tokens", "Drafted tokens the model accepted.",
+                  labels, pools, lambda s: s.spec_decode_num_accepted_tokens)
     per_pos = CounterMetricFamily(f"{PREFIX}spec_decode_num_accepted_tokens_per_pos",
-                                  "Accepted drafted tokens, by their position in the draft.", labels=["position"])
-    for position, count in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
-        per_pos.add_metric([str(position)], count)
+                                  "Accepted drafted tokens, by their position in the draft.",
+                                  labels=[*labels, "position"])
+    for values, s in pools:
+        for position, count in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+            per_pos.add_metric([*values, str(position)], count)
     yield per_pos
-    rate, length = s.spec_decode_acceptance_rate, s.spec_decode_mean_acceptance_length
-    yield GaugeMetricFamily(f"{PREFIX}spec_decode_draft_acceptance_rate",
-                            "Accepted / drafted tokens since start (0 before any draft).", rate or 0.0)
-    yield GaugeMetricFamily(f"{PREFIX}spec_decode_mean_acceptance_length",
-                            "Tokens per speculating sequence step: 1 + accepted / drafts (0 before any draft).",
-                            length or 0.0)
+    yield _family(GaugeMetricFamily, "spec_decode_draft_acceptance_rate",
+                  "Accepted / drafted tokens since start (0 before any draft).", labels, pools,
+                  lambda s: s.spec_decode_acceptance_rate or 0.0)
+    yield _family(GaugeMetricFamily, "spec_decode_mean_acceptance_length",
+                  "Tokens per speculating sequence step: 1 + accepted / drafts (0 before any draft).", labels, pools,
+                  lambda s: s.spec_decode_mean_acceptance_length or 0.0)
 
 
 class ServerMetrics:
-    """One app's metrics in its own registry, so that several apps in one process do not clash."""
+    """One app's metrics in its own registry, so that several apps in one process do not clash. On a multi-model
+    server (`models`: its models at scrape time) the request metrics are labelled by model, recorded through each
+    model's view (`for_model`); error responses stay server-wide (one for an unknown model names none)."""
 
-    def __init__(self, stats: StatsSource) -> None:
+    def __init__(self, stats: StatsSource | None, models: ModelsSource | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens prefilled.", registry=r)
-        self.generation_tokens = Counter(f"{PREFIX}generation_tokens", "Tokens generated.", registry=r)
+        by = [] if models is None else ["model"]
+        self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens prefilled.", by, registry=r)
+        self.generation_tokens = Counter(f"{PREFIX}generation_tokens", "Tokens generated.", by, registry=r)
         self.success = Counter(f"{PREFIX}request_success", "Sequences finished, by finish reason.",
-                               ["finished_reason"], registry=r)
+                               [*by, "finished_reason"], registry=r)
         self.failure = Counter(f"{PREFIX}request_failure", "Error responses, by OpenAI error type.",
                                ["error_type"], registry=r)
-        self.ttft = Histogram(f"{PREFIX}time_to_first_token_seconds", "From arrival to the first token.",
+        self.ttft = Histogram(f"{PREFIX}time_to_first_token_seconds", "From arrival to the first token.", by,
                               buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram(f"{PREFIX}inter_token_latency_seconds", "Between consecutive tokens of a sequence.",
+        self.itl = Histogram(f"{PREFIX}inter_token_latency_seconds", "Between consecutive tokens of a sequence.", by,
                              buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram(f"{PREFIX}e2e_request_latency_seconds", "From arrival to the sequence's finish.",
+        self.e2e = Histogram(f"{PREFIX}e2e_request_latency_seconds", "From arrival to the sequence's finish.", by,
                              buckets=E2E_BUCKETS, registry=r)
-        for reason in FINISH_REASONS:  # present at 0 from the start, so rate() sees the first one
-            self.success.labels(reason)
+        self._finished: Callable[[str], Counter] = self.success.labels
+        if models is None:
+            self._count_reasons()
         shared = os.environ.get(MULTIPROCESS_ENV)
         if shared is not None:  # a scrape reads every process's files (and the pool once), not this registry
             self.registry = CollectorRegistry()
             MultiProcessCollector(self.registry, path=shared)
-        self.registry.register(_PoolCollector(stats))
+        self.registry.register(_PoolCollector(stats, models))
+
+    def _count_reasons(self) -> None:
+        for reason in FINISH_REASONS:  # present at 0 from the start, so rate() sees the first one
+            self._finished(reason)
+
+    def for_model(self, model: str) -> ServerMetrics:
+        """These metrics as `model` records them (a multi-model server's: its labelled series)."""
+        view = copy.copy(self)
+        view.prompt_tokens = self.prompt_tokens.labels(model)
+        view.generation_tokens = self.generation_tokens.labels(model)
+        view.ttft, view.itl, view.e2e = self.ttft.labels(model), self.itl.labels(model), self.e2e.labels(model)
+        view._finished = functools.partial(self.success.labels, model)
+        view._count_reasons()
+        return view
 
     def observe_first_token(self, arrival: float, now: float) -> None:
         """A sequence's first token."""
@@ -131,7 +184,7 @@ class ServerMetrics:
 
     def finish(self, arrival: float, now: float, reason: str) -> None:
         """A sequence that ended with `reason` (stop, length, or abort when its client left)."""
-        self.success.labels(reason).inc()
+        self._finished(reason).inc()
         self.e2e.observe(now - arrival)
 
     def fail(self, error_type: str) -> None:

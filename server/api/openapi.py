@@ -28,10 +28,14 @@ ERRORS = {
     401: "Missing or wrong key, given as `Authorization: Bearer` or `x-api-key` (`invalid_api_key`).",
     404: "The model is not the served one (`model_not_found`), or no stored response has that id "
          "(`response_not_found`, `previous_response_not_found`).",
+    409: "The model is in use (`model_busy`) or loading (`model_loading`): a multi-model server unloads it "
+         "once its requests have finished.",
     413: "The request body is over --max-request-bytes (`request_too_large`).",
     429: "The worker's queue is full (`queue_full`): retry after Retry-After seconds.",
     500: "An unexpected failure (logged with its traceback on the server).",
-    503: "The model is still loading (`model_loading`, with Retry-After) or the server is shutting down "
+    503: "The model is still loading (`model_loading`, with Retry-After; on a multi-model server past "
+         "--load-timeout), there is no room to load it beside the models in use (`no_room_for_model`, with "
+         "Retry-After) or it is over the memory budget (`model_too_large`), or the server is shutting down "
          "(`shutting_down`).",
 }
 _SCHEMAS = "#/components/schemas/"

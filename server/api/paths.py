@@ -14,8 +14,9 @@ class PathAliases:
     """ASGI middleware: rewrites `/chat/completions` to `/v1/chat/completions` (for each first segment under /v1)
     and drops a trailing slash, before routing."""
 
-    def __init__(self, app: ASGIApp, v1_paths: Iterable[str]) -> None:
+    def __init__(self, app: ASGIApp, v1_paths: Iterable[str], own_paths: Iterable[str] = ()) -> None:
         self.app = app
+        self.own_paths = frozenset(own_paths)  # outside /v1 whatever their first segment (POST /models/load)
         # The first segments of the /v1 routes: "models", "chat", "completions", "responses", "messages", ...
         self.v1_segments = frozenset(p.removeprefix(V1 + "/").split("/", 1)[0] for p in v1_paths
                                      if p.startswith(V1 + "/"))
@@ -24,6 +25,8 @@ class PathAliases:
         """The path a request for `path` is answered on."""
         if len(path) > 1 and path.endswith("/"):
             path = path.rstrip("/") or "/"
+        if path in self.own_paths:
+            return path
         if not path.startswith(V1 + "/") and path.lstrip("/").split("/", 1)[0] in self.v1_segments:
             path = V1 + path
         return path

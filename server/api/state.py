@@ -19,11 +19,13 @@ from starlette.applications import Starlette
 
 from server.api.anthropic.serving import MessagesServing
 from server.api.metrics import ServerMetrics
+from server.api.model_router import ModelRouter
 from server.api.openai.chat import ChatServing
 from server.api.openai.completions import CompletionServing
 from server.api.openai.embeddings import EmbeddingServing
-from server.api.responses.serving import ResponsesServing
+from server.api.responses.serving import ResponsesServing, StoredResponseReads
 from server.config.settings import Settings
+from server.process.response_store import StoredResponses
 from server.scheduling.model_state import ModelState
 
 
@@ -48,6 +50,13 @@ class Servings:
     messages: MessagesServing      # POST /v1/messages and its count_tokens
     embeddings: EmbeddingServing   # POST /v1/embeddings
 
+    @classmethod
+    def of(cls, state: ModelState, metrics: ServerMetrics, store: StoredResponses) -> Servings:
+        """Every API's serving object over `state` (`store`: where /v1/responses keeps the responses it stores)."""
+        return cls(chat=ChatServing(state, metrics), completions=CompletionServing(state, metrics),
+                   responses=ResponsesServing(state, metrics, store), messages=MessagesServing(state, metrics),
+                   embeddings=EmbeddingServing(state, metrics))
+
 
 @dataclass
 class AppState:
@@ -59,6 +68,8 @@ class AppState:
     # How the server stops itself (a load that failed, a worker that died): a SIGTERM to this process by default;
     # the command line's server replaces it with a graceful stop of its uvicorn server (server/launch/lifecycle.py).
     request_shutdown: Callable[[], None]
+    router: ModelRouter[Servings] | None = None  # the models of a multi-model server (None: one model, `model`)
+    stored_responses: StoredResponseReads | None = None  # a multi-model server's stored /v1/responses (shared)
     model: ModelState | None = None       # the served model; None while it loads (the API answers 503)
     serving: Servings | None = None       # the API's serving objects, set with `model`
     load_error: str | None = None         # why the model could not load (the server then stops, exit status 3)

@@ -117,10 +117,32 @@ class Settings(BaseSettings):
 
     model: str = Field(DEFAULT_MODEL, description="a known model name, a .gguf file, a safetensors directory, or a "
                                                   "Hugging Face model pulled into the local cache: owner/repo:QUANT "
-                                                  "(a GGUF quantization) or owner/repo (see `emberserve pull`)")
+                                                  "(a GGUF quantization) or owner/repo (see `emberserve pull`); repeat "
+                                                  "--model to serve several (the first is the default)")
     pull: bool = Field(False, description="download the model (and a draft model) from the Hugging Face Hub first "
                                           "when it is a Hugging Face name not in the local cache; without it, "
                                           "serving never touches the network")
+    models: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="more models served beside --model, comma-separated, each loaded when "
+                                          "a request first names it (the same as more --model flags)")
+    models_dir: str | None = Field(
+        None, description="also serve every .gguf file and model directory (one with a config.json) in this "
+                          "directory, each loaded when a request first names it")
+    max_loaded_models: PositiveInt | None = Field(
+        None, description="with several models, at most this many loaded at once: loading one more unloads the "
+                          "least recently used idle one (default: as many as the memory budget holds)")
+    idle_unload: float | None = Field(
+        None, gt=0, description="unload a model nobody used for this many seconds (its memory is given back; the "
+                                "next request loads it again; default: never)")
+    load_timeout: float = Field(
+        300.0, gt=0, description="with several models, how long a request for an unloaded model waits for its "
+                                 "load before a 503 with Retry-After")
+    memory_budget: Bytes | None = Field(
+        None, description="with several models, the memory the loaded ones may take together (weights, KV "
+                          "caches, their processes): a load that does not fit unloads idle models first, else is "
+                          "refused; a model's KV cache is at most its share (the budget over --max-loaded-models) "
+                          "less its weights (default: 90% of the memory available at start-up, of the GPU's on "
+                          "CUDA)")
     host: str = Field(DEFAULT_HOST, description="address to listen on (0.0.0.0 in the container image)")
     port: int = Field(DEFAULT_PORT, ge=0, le=65535, description="port to listen on")
     device: Annotated[str, BeforeValidator(resolve_device)] = Field(
@@ -131,7 +153,9 @@ class Settings(BaseSettings):
         None, description="weights kept as int8 per-channel or int4 group-wise (CPU; CUDA with bfloat16); default: int4 for a GGUF "
                           "model on CPU unless dtype is float32, else none")
     max_model_len: PositiveInt | None = Field(None, description="cap the context below the model's")
-    served_model_name: str | None = Field(None, description="the model id clients send (default: the model's name)")
+    served_model_name: str | None = Field(
+        None, description="the model id clients send (default: the model's name); with several models "
+                          "MODEL=alias pairs, comma-separated")
     preset: PresetName | None = Field(
         None, description="the sampling profile requests start from: fast, balanced, quality, creative, code or "
                           "precise (`emberserve presets` lists their values); a request's own preset or fields win")
@@ -288,15 +312,32 @@ class Settings(BaseSettings):
                               kernel_cache=None if self.kernel_cache is None else Path(self.kernel_cache))
 
     @property
+    def serves_many(self) -> bool:
+        """Whether these settings ask for the multi-model server (server/api/model_router.py): more than one model,
+        a models directory, or models unloaded when idle. Otherwise the one model is served as it always was."""
+        return bool(self.models) or self.models_dir is not None or self.idle_unload is not None
+
+    @property
     def speculative_method(self) -> SpeculativeMethod | None:
         """The speculation in force: draft with a draft model, ngram if asked, else None."""
         if self.draft_model is not None:
             return "draft"
         return "ngram" if self.speculative == "ngram" else None
 
-    @field_validator("allowed_origins", mode="before")
+    @model_validator(mode="after")
+    def _many_models_run_in_engine_processes(self) -> Settings:
+        many = self.serves_many
+        if many and self.engine_process is False:
+            raise ValueError("several models (or --idle-unload) run each model in an engine process of its own, "
+                             "which --no-engine-process turns off")
+        if many and self.api_server_count > 1:
+            raise ValueError(f"api_server_count {self.api_server_count} serves one model: not with several models "
+                             "or --idle-unload")
+        return self
+
+    @field_validator("allowed_origins", "models", mode="before")
     @classmethod
-    def _split_origins(cls, value: Any) -> Any:
+    def _split_lists(cls, value: Any) -> Any:
         if isinstance(value, str):
             return [o.strip() for o in value.split(",") if o.strip()]
         return value

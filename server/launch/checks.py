@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from engine import DeviceError, EngineError
 
 from server.config.model_store import ensure_model
+from server.config.served_models import servable_models
 from server.config.settings import SELF_DRAFTS, Settings, env_name, flag_name
 
 EXIT_FAILED = 1  # a command that ran could not do its work (say, the chat's server refused it)
@@ -54,7 +55,8 @@ def check_loadable(settings: Settings) -> None:
     in the cache is downloaded first — and the device exists: settled before the port is bound or anything loads,
     so that a start that cannot work ends at once."""
     try:
-        ensure_model(settings.model, settings.pull, say=say)
+        for source in [m.source for m in servable_models(settings)] if settings.serves_many else [settings.model]:
+            ensure_model(source, settings.pull, say=say)
         if settings.draft_model is not None and settings.draft_model not in SELF_DRAFTS:
             ensure_model(settings.draft_model, settings.pull, say=say, what="draft model", also=tuple(SELF_DRAFTS))
         from engine.loader.devices import check_device  # torch: only once the flags are known to be good

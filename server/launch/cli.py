@@ -66,7 +66,10 @@ def _run_server(settings: Settings) -> int:
     from server.launch.http_fronts import Fronts
     from server.launch.lifecycle import serve_until_stopped
 
-    app = create_app(settings, start_fronts=Fronts)
+    try:
+        app = create_app(settings, start_fronts=Fronts)
+    except ValueError as e:  # what a multi-model server finds out about its models and memory before it starts
+        raise CommandError(str(e)) from None
     log.info("emberserve %s: loading %s on %s%s; will listen on http://%s:%d/v1", __version__, settings.model,
              settings.device, _auto_note(settings), settings.host, settings.port)
     log.debug("settings: %r", settings)  # SecretStr: the API key shows as '**********'

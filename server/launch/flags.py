@@ -52,6 +52,9 @@ def settings_arguments(parser: argparse.ArgumentParser, fields: Iterable[str] | 
         if info.annotation in (bool, Optional[bool]):
             parser.add_argument(flag_name(name), dest=name, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_text)
+        elif name == "model" and "models" in names:  # repeated: the first is the default, the others `models`
+            parser.add_argument(flag_name(name), dest=name, action="append", default=argparse.SUPPRESS,
+                                help=help_text)
         else:
             choices = _choices(info.annotation)
             parser.add_argument(flag_name(name), dest=name, default=argparse.SUPPRESS,
@@ -68,7 +71,13 @@ def settings_arguments(parser: argparse.ArgumentParser, fields: Iterable[str] | 
 def given_settings(args: argparse.Namespace, fields: Iterable[str] | None = None) -> dict[str, Any]:
     """The Settings fields (of `fields`, else all) the command line gave."""
     names = set(Settings.model_fields if fields is None else fields)
-    return {name: value for name, value in vars(args).items() if name in names}
+    given = {name: value for name, value in vars(args).items() if name in names}
+    model = given.get("model")
+    if isinstance(model, list):  # --model repeated (settings_arguments): the others go before any --models
+        given["model"], more = model[0], model[1:]
+        if more:
+            given["models"] = ",".join([*more, *filter(None, [given.get("models")])])  # as --models reads
+    return given
 
 
 def sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int | None = None) -> None:

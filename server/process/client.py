@@ -122,6 +122,30 @@ class EngineClient:
         if self._process is not None:
             self._process.kill()
 
+    @property
+    def in_flight(self) -> int:
+        """Submissions not ended yet (requests and streams the engine is working on, or holds for their reader)."""
+        return len(self._live)
+
+    async def close(self) -> None:
+        """Stop the engine process as `stop` does, without holding up the event loop: a model unloaded while the
+        server serves its others."""
+        self._stopping = True
+        if self._transport is not None:
+            self._send(ToEngine.STOP)  # written with this turn's other messages, before the wait below
+        else:
+            with suppress(OSError):
+                self._conn.send([(ToEngine.STOP.value,)])
+        if self._process is not None:
+            await asyncio.to_thread(self._process.join, STOP_TIMEOUT_S)
+            if self._process.is_alive():
+                log.warning("the engine process did not stop in %.0f s: killed", STOP_TIMEOUT_S)
+                self._process.kill()
+                await asyncio.to_thread(self._process.join)
+        if self._transport is not None:
+            self._transport.abort()
+        self._conn.close()
+
     def stop(self) -> None:
         """Ask the engine to stop its workers and exit; killed past STOP_TIMEOUT_S (blocking: the server's last act).
         In an HTTP process that did not start the engine: close this process's pipe (the engine cancels what

@@ -20,6 +20,7 @@ from engine.weights import Progress
 
 from server import __version__
 from server.config.presets import get_preset
+from server.config.served_models import alias_of
 from server.config.settings import SELF_DRAFTS, Settings, device_default
 from server.grammar.compiler import GrammarCompiler
 from server.reasoning.formats import choose_format
@@ -120,10 +121,11 @@ def start_serving(settings: Settings, runners: list[Runner], on_worker_failure: 
 
 
 def model_state(settings: Settings, runner: Runner | ServedModel, pool: Pool,
-                prepare_grammars: bool = True) -> ModelState:
-    """The served model's state over its pool: in this process (`runner`), or the engine process's (its facts)."""
+                prepare_grammars: bool = True, model_id: str | None = None) -> ModelState:
+    """The served model's state over its pool: in this process (`runner`), or the engine process's (its facts);
+    `model_id`: the id clients send (default: its --served-model-name alias, else its name)."""
     served = runner if isinstance(runner, ServedModel) else ServedModel.of(runner)
-    model_id = settings.served_model_name or runner.name
+    model_id = model_id or alias_of(settings, runner.name) or runner.name
     digest = hashlib.sha256(f"{__version__}:{model_id}:{runner.dtype}:{runner.quant}:{runner.device}:"
                             f"{runner.deterministic}".encode()).hexdigest()[:10]
     grammars = GrammarCompiler(runner.tokenizer) if prepare_grammars else None

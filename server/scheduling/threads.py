@@ -77,4 +77,12 @@ def cap_malloc_arenas(arenas: int = 2) -> bool:
         return False
 
 
+def trim_malloc() -> None:
+    """Hand the heap pages freed since back to the OS (glibc keeps them resident otherwise); nothing elsewhere."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 _M_ARENA_MAX = -8  # glibc's malloc.h

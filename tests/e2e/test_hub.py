@@ -295,7 +295,7 @@ def test_list_rm_and_show(env: dict[str, str], hub: FakeHub, tmp_path: Path, tin
     assert shown.returncode == 0, shown.stderr
     facts = dict(line.split(None, 1) for line in shown.stdout.split("\n\n")[0].splitlines())
     assert facts["family"] == "llama (chat)" and facts["quantization"] == "Q8_0"
-    assert facts["reasoning"] == "no <think> in the template" and facts["tools"] == "generic tool-call format"
+    assert facts["reasoning"] == "none found" and facts["tools"] == "generic tool-call format"
     assert facts["template"] == "from the model"
     assert shown.stdout.rstrip().endswith("{% endif %}")  # the template itself, from the GGUF file
     shown = emberserve(env, "show", SAFETENSORS_REPO)

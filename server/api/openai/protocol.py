@@ -390,7 +390,19 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "emberserve"
     max_model_len: int | None = None
-    details: ModelDetails
+    details: ModelDetails | None = Field(description="what the model is, once loaded (a multi-model server's "
+                                                     "unloaded models have none)")
+    state: Literal["loaded", "loading", "unloaded"] | None = Field(
+        None, exclude_if=lambda state: state is None,
+        description="a multi-model server's: whether the model is loaded, loading, or loaded on its first request")
+
+
+class ModelRequest(BaseModel):
+    """POST /models/load and /models/unload (a multi-model server's)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="the model's id, as /v1/models lists it")
 
 
 class ModelList(BaseModel):

@@ -98,7 +98,42 @@ def _answer(blocks: OutputBlocks) -> Message:
     return {"role": "assistant", "content": blocks.text or None, "tool_calls": calls, **thought}
 
 
-class ResponsesServing(ChatMappedServing):
+class StoredResponseReads:
+    """GET / DELETE of stored responses, and their input items: what needs the store alone, not a model."""
+
+    def __init__(self, store: StoredResponses) -> None:
+        self.store = store
+
+    async def _stored(self, response_id: str) -> StoredResponse:
+        stored = await self.store.get(response_id)
+        if stored is None:
+            raise APIError(404, f"Response with id '{response_id}' not found.", param="response_id",
+                           code="response_not_found")
+        return stored
+
+    async def retrieve(self, response_id: str) -> ResponseObject:
+        return (await self._stored(response_id)).response
+
+    async def delete(self, response_id: str) -> ResponseDeleted:
+        await self._stored(response_id)
+        await self.store.delete(response_id)
+        return ResponseDeleted(id=response_id)
+
+    async def input_items(self, response_id: str, limit: int, order: str, after: str | None) -> InputItemList:
+        items = (await self._stored(response_id)).input_items
+        if order == "desc":
+            items = items[::-1]
+        if after is not None:
+            ids = [item.id for item in items]
+            if after not in ids:
+                raise invalid(f"no input item with id '{after}' in response '{response_id}'", param="after")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return InputItemList(data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None,
+                             has_more=len(items) > limit)
+
+
+class ResponsesServing(ChatMappedServing, StoredResponseReads):
     """POST /v1/responses, and GET / DELETE of the responses it stored."""
 
     field_names = FIELD_NAMES
@@ -245,33 +280,3 @@ class ResponsesServing(ChatMappedServing):
         """A failure after the stream started: the published `error` event, numbered in the stream's sequence."""
         return lambda e: [named_event("error", {"type": "error", "sequence_number": next(numbers), "code": e.code,
                                                 "message": e.message, "param": e.param})]
-
-    # ---- stored responses ----
-
-    async def _stored(self, response_id: str) -> StoredResponse:
-        stored = await self.store.get(response_id)
-        if stored is None:
-            raise APIError(404, f"Response with id '{response_id}' not found.", param="response_id",
-                           code="response_not_found")
-        return stored
-
-    async def retrieve(self, response_id: str) -> ResponseObject:
-        return (await self._stored(response_id)).response
-
-    async def delete(self, response_id: str) -> ResponseDeleted:
-        await self._stored(response_id)
-        await self.store.delete(response_id)
-        return ResponseDeleted(id=response_id)
-
-    async def input_items(self, response_id: str, limit: int, order: str, after: str | None) -> InputItemList:
-        items = (await self._stored(response_id)).input_items
-        if order == "desc":
-            items = items[::-1]
-        if after is not None:
-            ids = [item.id for item in items]
-            if after not in ids:
-                raise invalid(f"no input item with id '{after}' in response '{response_id}'", param="after")
-            items = items[ids.index(after) + 1:]
-        page = items[:limit]
-        return InputItemList(data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None,
-                             has_more=len(items) > limit)

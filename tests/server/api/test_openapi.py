@@ -135,3 +135,10 @@ def test_health_declares_its_ready_and_unavailable_bodies() -> None:
         "$ref": "#/components/schemas/HealthUnavailable"}
     assert schemas["HealthUnavailable"]["properties"]["status"]["enum"] == ["loading", "draining", "unhealthy"]
     assert {"status", "model", "running", "queued", "kv_blocks_total"} <= set(schemas["Health"]["required"])
+
+
+def test_a_multi_model_server_also_documents_its_operator_routes() -> None:
+    declared = {(method, path): set(op["responses"]) - {"500"}
+                for method, path, op in operations(document(models=["gemma3-270m"]))}
+    assert declared == {**STATUSES, ("POST", "/models/load"): {"200", "404", "503"},
+                        ("POST", "/models/unload"): {"200", "404", "409"}}
