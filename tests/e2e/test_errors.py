@@ -226,7 +226,7 @@ def test_unknown_model_raises_not_found_error(client: openai.OpenAI) -> None:
 
 
 @pytest.mark.parametrize("method,path", [("GET", "/v1/nope"), ("POST", "/nope"), ("POST", "/v1/chat/complete"),
-                                         ("GET", "/")])
+                                         ("GET", "/v1")])  # "/" is the chat page
 def test_unknown_route_is_a_404_envelope(http: httpx.Client, method: str, path: str) -> None:
     assert_envelope(http.request(method, path, json={}), 404, type_="not_found_error")
 
