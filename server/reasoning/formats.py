@@ -54,9 +54,3 @@ def opens_thinking(prompt_tail: str, fmt: ReasoningFormat) -> bool:
     """Whether a prompt ending in `prompt_tail` leaves the model inside its thinking: a template that writes the
     opening tag itself (DeepSeek-R1's) makes the output start there."""
     return prompt_tail.rfind(fmt.start) > prompt_tail.rfind(fmt.end)
-
-
-def tag_ids(fmt: ReasoningFormat, encode: Callable[[str], Sequence[int]]) -> tuple[int | None, int | None]:
-    """The ids of the tags where each is a single token (detection by id), else None for that tag."""
-    start, end = list(encode(fmt.start)), list(encode(fmt.end))
-    return (start[0] if len(start) == 1 else None), (end[0] if len(end) == 1 else None)

@@ -11,6 +11,7 @@ processor's advance and rollback), so structured outputs, forced tool calls and 
 """
 from __future__ import annotations
 
+import copy
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,7 +47,8 @@ class TokenMatcher(Protocol):
 
 @dataclass
 class _State:
-    phase: Phase
+    """What a token changed besides the splitter (whose copy before the token is kept beside it)."""
+
     thought: int          # thinking tokens so far
     forced: int           # closing-tag tokens forced so far
     to_grammar: bool      # whether the token went to the grammar (to undo it there)
@@ -106,16 +108,16 @@ class ReasoningGate:
 
     def advance(self, token: int) -> bool:
         phase = self.phase
-        state = _State(phase, self.thought, self.forced, False)
+        state = _State(self.thought, self.forced, False)
         if phase is Phase.ANSWER or (phase is Phase.BEFORE and self.inner is not None and token != self.plan.start_id):
-            self._undo.append((state, None if phase is Phase.ANSWER else self._copy_splitter()))
+            self._undo.append((state, None if phase is Phase.ANSWER else copy.copy(self.splitter)))
             if phase is Phase.BEFORE:
                 self.splitter.phase = Phase.ANSWER
             if self.inner is None:
                 return True
             state.to_grammar = True
             return self.inner.advance(token)
-        self._undo.append((state, self._copy_splitter()))
+        self._undo.append((state, copy.copy(self.splitter)))
         if self.forcing:
             self.forced += 1
         if self.phase is Phase.THINKING:
@@ -140,7 +142,7 @@ class ReasoningGate:
     def copy(self) -> ReasoningGate:
         other = ReasoningGate(self.plan, self.inner.copy() if self.inner is not None else None, self.vocab_size,
                               self.token_text)
-        other.splitter, other.thought, other.forced = self._copy_splitter(), self.thought, self.forced
+        other.splitter, other.thought, other.forced = copy.copy(self.splitter), self.thought, self.forced
         other._undo = deque(self._undo, maxlen=UNDO_TOKENS)
         return other
 
@@ -155,11 +157,6 @@ class ReasoningGate:
     @property
     def error(self) -> str | None:
         return self.inner.error if self.inner is not None else None
-
-    def _copy_splitter(self) -> ReasoningSplitter:
-        copy = ReasoningSplitter.__new__(ReasoningSplitter)
-        copy.__dict__.update(self.splitter.__dict__)
-        return copy
 
 
 def choice_matcher(plan: ReasoningPlan | None, inner: TokenMatcher | None, vocab_size: int,

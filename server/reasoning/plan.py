@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Literal, get_args
 
-from server.reasoning.formats import ReasoningFormat, opens_thinking, tag_ids
+from server.reasoning.formats import ReasoningFormat, opens_thinking
 
 # The prompt's last tokens, decoded, tell whether the template opened the thinking (the generation prompt's end).
 PROMPT_TAIL_TOKENS = 32
@@ -50,10 +50,15 @@ class ReasoningPlan:
         return Phase.THINKING if self.starts_thinking else Phase.BEFORE
 
 
+def single(ids: tuple[int, ...]) -> int | None:
+    """A tag's id where it is one token (found by id), else None (found in the text)."""
+    return ids[0] if len(ids) == 1 else None
+
+
 def make_plan(fmt: ReasoningFormat, prompt_ids: Sequence[int], encode: Callable[[str], Sequence[int]],
               decode: Callable[[Sequence[int]], str], budget: int | None) -> ReasoningPlan:
     """A generation's plan: the format's tags (by id where single tokens), whether the prompt opened the thinking,
     and the budget."""
-    start_id, end_id = tag_ids(fmt, encode)
-    return ReasoningPlan(fmt.start, fmt.end, start_id, end_id, tuple(encode(fmt.end)),
+    start, end = tuple(encode(fmt.start)), tuple(encode(fmt.end))
+    return ReasoningPlan(fmt.start, fmt.end, single(start), single(end), end,
                          opens_thinking(decode(prompt_ids[-PROMPT_TAIL_TOKENS:]), fmt), budget)
