@@ -15,8 +15,13 @@ QUANT_MODES: tuple[str, ...] = get_args(QuantMode)
 # replay each (every replay reads the weights). The server's GPU defaults stop speculating past this many drafters.
 MAX_CHUNKS = 4
 
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
-_HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3", "gemma3": "gemma3"}
+DENSE_FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss")
+FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
+_HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3", "gemma3": "gemma3",
+                   **{family: family for family in MOE_FAMILIES}}
+Router = Literal["softmax_topk", "topk_softmax"]
+ExpertActivation = Literal["silu", "swiglu_clamp"]
 GEMMA3_GLOBAL_EVERY = 6
 GEMMA3_LOCAL_ROPE_THETA = 10_000.0
 
@@ -27,6 +32,32 @@ class RopeConfig:
 
     theta: float
     scaling: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts feed-forward layer: `top_k` of `num_experts` gated MLPs per token.
+
+    `router`: "softmax_topk" (Qwen-MoE, Mixtral, OLMoE: softmax over every expert, the top k kept, divided by their
+    sum when `renormalize`) or "topk_softmax" (gpt-oss: the top k logits, then a softmax over them).
+    `activation`: "silu" (SwiGLU) or "swiglu_clamp" (gpt-oss: gate clamped above at `swiglu_limit`, up clamped to
+    ±limit, gate * sigmoid(alpha * gate) * (up + 1)). `shared_intermediate` > 0: a shared expert of that width
+    beside the routed ones, scaled by sigmoid(shared_expert_gate(x)) (Qwen2-MoE). `dense_layers`: layers whose MLP
+    is a plain dense one of `ModelConfig.intermediate_size` (Qwen-MoE's mlp_only_layers / decoder_sparse_step).
+    """
+
+    num_experts: int
+    top_k: int
+    expert_intermediate: int
+    router: Router = "softmax_topk"
+    renormalize: bool = True
+    router_bias: bool = False
+    expert_bias: bool = False
+    activation: ExpertActivation = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    shared_intermediate: int = 0
+    dense_layers: tuple[int, ...] = ()
 
 
 @dataclass
@@ -54,6 +85,10 @@ class ModelConfig:
     layer_is_sliding: list[bool] = field(default_factory=list)
     local_rope: RopeConfig | None = None
     final_logit_softcap: float | None = None
+    moe: MoEConfig | None = None
+    qk_norm_per_head: bool = True  # False: OLMoE's q/k norms span all heads' features at once
+    o_proj_bias: bool = False      # gpt-oss: the output projection has a bias too
+    attention_sinks: bool = False  # gpt-oss: a learned per-head logit joins every softmax (`self_attn.sinks`)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -158,12 +193,13 @@ def _hf_rope(cfg: dict[str, Any], kind: str | None, default_theta: float) -> Rop
     if isinstance(params, dict) and "rope_theta" in params:
         theta, scaling = float(params["rope_theta"]), params
     else:
-        theta, scaling = float(cfg.get("rope_theta", default_theta)), cfg.get("rope_scaling")
+        theta = float(cfg.get("rope_theta", default_theta))
+        scaling = params if isinstance(params, dict) and "rope_type" in params else cfg.get("rope_scaling")
     if scaling is not None:
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
         if rope_type == "default":
             scaling = None
-        elif rope_type not in ("llama3", "linear"):
+        elif rope_type not in ("llama3", "linear", "yarn"):
             raise UnsupportedModelError(f"unsupported rope scaling {rope_type!r}")
         else:
             scaling = {k: v for k, v in scaling.items() if k != "rope_theta"} | {"rope_type": rope_type}
@@ -208,7 +244,59 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig | EncoderConfig:
         )
     if cfg.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"unsupported hidden_act {cfg.get('hidden_act')!r} for {family}")
+    if family in MOE_FAMILIES:
+        return _moe_config_from_hf(family, cfg, common)
     return ModelConfig(
         family=family, **common, rope=_hf_rope(cfg, None, 10_000.0),
         attention_bias=bool(cfg.get("attention_bias", family == "qwen2")), qk_norm=family == "qwen3",
     )
+
+
+def _sparse_layers_moe(cfg: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    """Qwen-MoE's dense layers: those in mlp_only_layers, or off the decoder_sparse_step pattern."""
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    only = set(cfg.get("mlp_only_layers") or ())
+    return tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
+
+
+def _moe_config_from_hf(family: str, cfg: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    """The config of a mixture-of-experts family from its Hugging Face `config.json` dictionary."""
+    num_layers = common["num_layers"]
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    top_k = int(cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or 0)
+    if experts < 1 or not 1 <= top_k <= experts:
+        raise UnsupportedModelError(f"{family}: {top_k} experts per token of {experts} is not a mixture of experts")
+    rope = _hf_rope(cfg, None, 10_000.0 if family != "gpt_oss" else 150_000.0)
+    if family in ("qwen3_moe", "qwen2_moe"):
+        moe = MoEConfig(experts, top_k, int(cfg["moe_intermediate_size"]), renormalize=bool(cfg.get("norm_topk_prob")),
+                        shared_intermediate=int(cfg.get("shared_expert_intermediate_size") or 0)
+                        if family == "qwen2_moe" else 0,
+                        dense_layers=_sparse_layers_moe(cfg, num_layers))
+        return ModelConfig(family=family, **common, rope=rope, moe=moe, qk_norm=family == "qwen3_moe",
+                           attention_bias=bool(cfg.get("qkv_bias", True)) if family == "qwen2_moe"
+                           else bool(cfg.get("attention_bias", False)))
+    if family == "mixtral":
+        window = cfg.get("sliding_window")
+        return ModelConfig(family=family, **common, rope=rope,
+                           moe=MoEConfig(experts, top_k, int(cfg["intermediate_size"])),
+                           sliding_window=int(window) if window else None,
+                           layer_is_sliding=[bool(window)] * num_layers)
+    if family == "olmoe":
+        if cfg.get("clip_qkv") is not None:
+            raise UnsupportedModelError("olmoe with clip_qkv is not supported")
+        return ModelConfig(family=family, **common, rope=rope, qk_norm=True, qk_norm_per_head=False,
+                           attention_bias=bool(cfg.get("attention_bias", False)),
+                           moe=MoEConfig(experts, top_k, int(cfg["intermediate_size"]),
+                                         renormalize=bool(cfg.get("norm_topk_prob", False))))
+    # gpt_oss
+    layer_types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                             for i in range(num_layers)]
+    bias = bool(cfg.get("attention_bias", True))
+    return ModelConfig(
+        family=family, **common, rope=rope, attention_bias=bias, o_proj_bias=bias, attention_sinks=True,
+        sliding_window=int(cfg.get("sliding_window") or 128),
+        layer_is_sliding=[t == "sliding_attention" for t in layer_types],
+        moe=MoEConfig(experts, top_k, int(cfg["intermediate_size"]), router="topk_softmax", router_bias=True,
+                      expert_bias=True, activation="swiglu_clamp",
+                      swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                      swiglu_limit=float(cfg.get("swiglu_limit", 7.0))))
