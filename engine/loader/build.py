@@ -83,8 +83,10 @@ def resolve_quant(quant: str | None, dtype: str | torch.dtype | None, device: to
 def _fuse_projections(state: dict[str, Any], cfg: ModelConfig) -> None:
     """Concatenate q/k/v and gate/up weights (and biases) into the fused projections the decoder runs."""
     fused = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-             "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+             "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+             "mlp.shared_expert.gate_up_proj": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj")}
     for layer in range(cfg.num_layers):
+        _fuse_experts(state, f"layers.{layer}.mlp.experts.")
         for target, parts in fused.items():
             for kind in ("weight", "bias"):
                 names = [f"layers.{layer}.{p}.{kind}" for p in parts]
@@ -94,6 +96,19 @@ def _fuse_projections(state: dict[str, Any], cfg: ModelConfig) -> None:
                 state[f"layers.{layer}.{target}.{kind}"] = (
                     Affine4Bit.cat(values) if all(isinstance(v, Affine4Bit) for v in values)
                     else torch.cat([v.dequantize() if isinstance(v, Affine4Bit) else v for v in values]))
+
+
+def _fuse_experts(state: dict[str, Any], prefix: str) -> None:
+    """The readers' expert stacks (`gate_proj`, `up_proj`, `down_proj` [E, out, in], `*_bias` [E, out]) as the
+    decoder's `gate_up` (gate rows, then up rows) and `down` ExpertStacks."""
+    for kind, suffix in (("weight", ""), ("bias", "_bias")):
+        gate, up, down = (f"{prefix}{p}{suffix}" for p in ("gate_proj", "up_proj", "down_proj"))
+        if gate in state and up in state:
+            parts = [state.pop(gate), state.pop(up)]
+            state[f"{prefix}gate_up.{kind}"] = (type(parts[0]).cat(parts, dim=1) if hasattr(parts[0], "cat")
+                                                 else torch.cat(parts, dim=1))
+        if down in state:
+            state[f"{prefix}down.{kind}"] = state.pop(down)
 
 
 def _quantize_modules(model: DecoderModel, state: dict[str, Any], quant: str, dtype: torch.dtype,

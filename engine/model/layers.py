@@ -321,11 +321,12 @@ class Attention(nn.Module):
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)): SwiGLU for llama/qwen, GeGLU (tanh GELU) for gemma."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate: int = 0) -> None:
         super().__init__()
+        width = intermediate or cfg.intermediate_size  # a shared expert's own width (Qwen2-MoE)
         # gate and up in one matmul (the loader concatenates the checkpoint's two projections).
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * width, bias=False)
+        self.down_proj = Linear(width, cfg.hidden_size, bias=False)
         self.gelu = cfg.hidden_act == "gelu_tanh"
 
     def forward(self, x: Tensor, packed_rows: int, deterministic: bool) -> Tensor:

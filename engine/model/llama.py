@@ -1,4 +1,6 @@
-"""The llama decoder block, which also covers qwen2 (q/k/v biases) and qwen3 (q/k norms) through config flags."""
+"""The llama decoder block, which also covers qwen2 (q/k/v biases), qwen3 (q/k norms) and the mixture-of-experts
+families (qwen3_moe, qwen2_moe, mixtral, olmoe, gpt_oss: an MoE MLP, and gpt-oss's sinks and biases) through config
+flags."""
 # No `from __future__ import annotations`: the block is compiled by TorchScript (engine/model/layers.py).
 from typing import Optional, Tuple
 
@@ -7,7 +9,8 @@ from torch import Tensor, nn
 from engine.model.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.kernels.fused import add_rms_norm
-from engine.model.layers import Attention, GatedMLP, RMSNorm, RopeTables
+from engine.model.layers import Attention, RMSNorm, RopeTables
+from engine.model.moe import build_mlp
 
 
 class LlamaBlock(nn.Module):
@@ -18,7 +21,7 @@ class LlamaBlock(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.mlp = GatedMLP(cfg)
+        self.mlp = build_mlp(cfg, layer)
 
     def forward(self, hidden: Tensor, residual: Optional[Tensor], batch: ForwardBatch, rope: RopeTables,
                 keys: Tensor, values: Tensor) -> Tuple[Tensor, Tensor]:

@@ -12,6 +12,7 @@ from safetensors import safe_open
 from engine.config import EncoderConfig, ModelConfig, config_from_hf
 from engine.errors import ModelFormatError
 from engine.weights import Progress, no_progress
+from engine.weights.experts import stack_experts
 
 # Checkpoints nest the model under different prefixes (plain, multimodal gemma3, BERT with task heads).
 _PREFIXES = ("model.language_model.", "language_model.model.", "model.", "bert.")
@@ -49,7 +50,11 @@ def _param_name(name: str) -> str | None:
 
 def load_safetensors_dir(directory: str | Path, progress: Progress = no_progress
                          ) -> tuple[ModelConfig | EncoderConfig, dict[str, torch.Tensor], dict[str, Any]]:
-    """(config, float32 state dict in the decoder's names, the raw config.json)."""
+    """(config, state dict in the decoder's names, the raw config.json).
+
+    Tensors keep the checkpoint's dtype (a 30B bfloat16 mixture of experts would double in float32); the loader
+    converts each to the compute dtype as it places it. Experts are stacked per projection (engine/weights/experts.py).
+    """
     directory = Path(directory)
     config_path = directory / "config.json"
     if not config_path.is_file():
@@ -66,11 +71,13 @@ def load_safetensors_dir(directory: str | Path, progress: Progress = no_progress
                     progress(f"reading shard {done}/{len(files)}", i, len(names))
                     param = _param_name(name)
                     if param is not None:
-                        state[param] = f.get_tensor(name).float()
+                        state[param] = f.get_tensor(name)
         except (OSError, ValueError, RuntimeError) as e:  # safetensors reports truncation as a generic error
             raise ModelFormatError(f"{file}: cannot read safetensors file: {e}") from None
     if cfg.family == "gemma3":  # gemma stores norm weights as w and multiplies by (1 + w)
         for name in state:
             if name.endswith("norm.weight"):
-                state[name] = state[name] + 1.0
+                state[name] = state[name].float() + 1.0
+    if isinstance(cfg, ModelConfig):
+        stack_experts(state, cfg)
     return cfg, state, raw_cfg

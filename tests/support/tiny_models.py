@@ -34,6 +34,8 @@ from gguf.quants import dequantize, quantize
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 VARIANTS = ["llama_tied", "llama3_scaled", "qwen2", "qwen3", "gemma3"]
+# Mixture-of-experts families (each with its own config.json model_type).
+MOE_VARIANTS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss"]
 
 # GGUF storage types for the 2-D matrices; F32 is the exact copy.
 GGUF_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0"]
@@ -239,11 +241,47 @@ def _make_config(variant: str, spec: _TokenizerSpec):
             final_logit_softcapping=None,
             attn_logit_softcapping=None,
         )
-    raise ValueError(f"unknown tiny model variant {variant!r}; known: {VARIANTS}")
+    if variant in MOE_VARIANTS:
+        return _moe_config(variant, common)
+    raise ValueError(f"unknown tiny model variant {variant!r}; known: {VARIANTS + MOE_VARIANTS}")
+
+
+def _moe_config(variant: str, common: dict):
+    """Tiny mixture-of-experts configs: enough experts that routing varies per token, top 2 of them."""
+    from transformers import GptOssConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    attention = dict(num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    if variant == "qwen3_moe":  # per-head q/k norms, renormalised top-k, one dense layer (mlp_only_layers)
+        return Qwen3MoeConfig(**common, **attention, head_dim=32, num_hidden_layers=3, intermediate_size=96,
+                              moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                              mlp_only_layers=[1], decoder_sparse_step=1,
+                              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                              use_sliding_window=False)
+    if variant == "qwen2_moe":  # q/k/v biases, a gated shared expert, top-k not renormalised
+        return Qwen2MoeConfig(**common, **attention, num_hidden_layers=2, intermediate_size=96,
+                              moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=6,
+                              num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1,
+                              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                              use_sliding_window=False)
+    if variant == "mixtral":
+        return MixtralConfig(**{**common, **attention, "num_key_value_heads": 1}, num_hidden_layers=2,
+                             intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    if variant == "olmoe":  # q/k norms over all heads' features at once
+        return OlmoeConfig(**common, **attention, num_hidden_layers=2, intermediate_size=32, num_experts=8,
+                           num_experts_per_tok=2, norm_topk_prob=False, clip_qkv=None,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    # gpt_oss: attention sinks, q/k/v/o biases, sliding (window 8) and full layers alternating, yarn rope,
+    # top-k-then-softmax routing with a router bias, clamped SwiGLU experts with biases
+    return GptOssConfig(**common, **attention, head_dim=16, num_hidden_layers=4, intermediate_size=32,
+                        num_local_experts=4, num_experts_per_tok=2, sliding_window=8, attention_bias=True,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                         "original_max_position_embeddings": 64})
 
 
 _FAMILY = {"llama_tied": "llama", "llama3_scaled": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
-           "qwen3_thinking": "qwen3"}
+           "qwen3_thinking": "qwen3", **{variant: variant for variant in MOE_VARIANTS}}
 _SPEC = {
     "llama_tied": _CHATML_SPEC,
     "llama3_scaled": _LLAMA3_SPEC,
@@ -252,9 +290,11 @@ _SPEC = {
     "gemma3": _GEMMA_SPEC,
     # A reasoning model (not in VARIANTS: its layers are qwen3's): <think> and </think> are tokens of the vocabulary.
     "qwen3_thinking": _QWEN3_THINKING_SPEC,
+    **{variant: _CHATML_SPEC for variant in MOE_VARIANTS},
 }
 # picked so that 16 greedy steps after PROMPTS[0] vary and no two top logits are within 2e-3
-_SEED = {"llama_tied": 107, "llama3_scaled": 307, "qwen2": 407, "qwen3": 507, "gemma3": 15, "qwen3_thinking": 507}
+_SEED = {"llama_tied": 107, "llama3_scaled": 307, "qwen2": 407, "qwen3": 507, "gemma3": 15, "qwen3_thinking": 507,
+         "qwen3_moe": 607, "qwen2_moe": 707, "mixtral": 807, "olmoe": 907, "gpt_oss": 1007}
 
 
 @torch.no_grad()
@@ -270,8 +310,14 @@ def _randomize(model, family: str, seed: int) -> None:
         if name.endswith("norm.weight"):
             # gemma multiplies by (1 + w); the others by w
             param.copy_(0.2 * randn(param.shape) + (0.0 if family == "gemma3" else 1.0))
-        elif name.endswith(".bias"):
+        elif name.endswith((".bias", "_bias")):
             param.copy_(0.5 * randn(param.shape))
+        elif name.endswith("self_attn.sinks"):  # gpt-oss: a logit per head beside the keys' scores
+            param.copy_(randn(param.shape))
+        elif param.dim() == 3:  # stacked experts: [E, out, in], or gpt-oss's transposed [E, in, out]
+            fan_in = param.shape[1] if family == "gpt_oss" else param.shape[2]
+            gain = 2.0 if "down_proj" in name else 1.0
+            param.copy_(gain * randn(param.shape) / math.sqrt(fan_in))
         elif name == "model.embed_tokens.weight":
             # small, so the residual stream is not dominated by the current token's embedding (with
             # tied embeddings that makes greedy decoding repeat one token forever)
@@ -623,7 +669,7 @@ def build_tiny_model(variant: str, out_dir: Path, gguf_type: str = "F32") -> Tin
         eos_token_id=config.eos_token_id,
         add_bos=spec.add_bos,
     )
-    tiny.gguf_path = write_gguf(tiny, gguf_type)
+    tiny.gguf_path = write_gguf(tiny, gguf_type) if family not in MOE_VARIANTS else None
     return tiny
 
 

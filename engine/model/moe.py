@@ -1,0 +1,168 @@
+"""The mixture-of-experts feed-forward layer: a router picks `top_k` of `num_experts` gated MLPs per token, only those
+are computed, and their outputs are summed with the router's weights (plus a shared expert where a family has one).
+
+On CPU the experts run grouped: the step's (token, expert) pairs are sorted by expert, and each expert with tokens
+multiplies all of them at once, so its weights are read once per step whatever the number of tokens routed to it.
+On CUDA the same sums run in the fused Triton kernel of engine/kernels/moe.py (tokens sorted by expert on the
+device, static shapes: capturable in CUDA graphs). Expert weights are `ExpertStack`s (float) or their quantized
+forms (engine/model/quant), which share its `matmul(x, expert, deterministic)`.
+"""
+# No `from __future__ import annotations`: TorchScript compiles this module as part of the decoder stack.
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.config import ModelConfig, MoEConfig
+from engine.kernels.fused import gated_activation
+from engine.model.layers import GatedMLP, Linear, tiled_matmul
+
+
+
+def route(logits: Tensor, top_k: int, top_k_first: bool, renormalize: bool) -> Tuple[Tensor, Tensor]:
+    """(weights [N, k] float32, expert ids [N, k] int64) from router logits [N, E].
+
+    Softmax over all experts, the k largest kept (divided by their sum when `renormalize`); or, `top_k_first`
+    (gpt-oss), the k largest logits and a softmax over them. Ties go to the lower expert id (torch.topk's
+    order, as in the reference implementations)."""
+    logits = logits.float()
+    if top_k_first:
+        top, ids = torch.topk(logits, top_k, dim=-1)
+        return torch.softmax(top, dim=-1), ids
+    probs = torch.softmax(logits, dim=-1)
+    top, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return top, ids
+
+
+def expert_activation(gate_up: Tensor, clamp: bool, alpha: float, limit: float) -> Tensor:
+    """act(gate) * up of the [gate | up] rows [M, 2I] → [M, I]: SwiGLU, or gpt-oss's clamped form (gate clamped
+    above at `limit`, up to ±limit, gate * sigmoid(alpha * gate) * (up + 1))."""
+    if not clamp:
+        return gated_activation(gate_up, False)
+    half = gate_up.shape[-1] // 2
+    gate = gate_up[:, :half].clamp(max=limit)
+    up = gate_up[:, half:].clamp(min=-limit, max=limit)
+    return gate * torch.sigmoid(gate * alpha) * (up + 1)
+
+
+class ExpertStack(nn.Module):
+    """One projection of every expert in float: weight [E, out, in], optional bias [E, out]."""
+
+    def __init__(self, experts: int, out_features: int, in_features: int, bias: bool) -> None:
+        super().__init__()
+        self.num_experts, self.out_features, self.in_features = experts, out_features, in_features
+        self.weight = nn.Parameter(torch.empty(experts, out_features, in_features), requires_grad=False)
+        self.has_bias = bias
+        if bias:
+            self.bias = nn.Parameter(torch.empty(experts, out_features), requires_grad=False)
+        else:  # TorchScript takes no Optional attribute here: an empty tensor, never read nor saved
+            self.register_buffer("bias", torch.empty(0), persistent=False)
+
+    def refresh(self) -> None:
+        """Place what is not a loaded weight beside the weights (the model is built on the meta device)."""
+        if not self.has_bias:
+            self.bias = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+
+    def matmul(self, x: Tensor, expert: int, deterministic: bool) -> Tensor:
+        """x [M, in] @ weight[expert]^T (+ bias[expert]) → [M, out]."""
+        bias: Optional[Tensor] = self.bias[expert] if self.has_bias else None
+        if deterministic and x.is_cpu:  # a row's sums must not depend on how many rows the expert got
+            return tiled_matmul(x, self.weight[expert], bias)
+        return F.linear(x, self.weight[expert], bias)
+
+    def dequantize_expert(self, expert: int) -> Tensor:
+        return self.weight[expert]
+
+
+@torch.jit.unused
+def _fused_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up: nn.Module, down: nn.Module, clamp: bool,
+                   alpha: float, limit: float) -> Tensor:
+    from engine.kernels.moe import fused_experts
+
+    return fused_experts(x, ids, weights, gate_up, down, "swiglu_clamp" if clamp else "silu", alpha, limit)
+
+
+class MoEExperts(nn.Module):
+    """Every routed expert of one layer: `gate_up` [E, 2I, H] and `down` [E, H, I] stacks."""
+
+    def __init__(self, moe: MoEConfig, hidden: int) -> None:
+        super().__init__()
+        self.gate_up = ExpertStack(moe.num_experts, 2 * moe.expert_intermediate, hidden, moe.expert_bias)
+        self.down = ExpertStack(moe.num_experts, hidden, moe.expert_intermediate, moe.expert_bias)
+        self.num_experts = moe.num_experts
+        self.clamp = moe.activation == "swiglu_clamp"
+        self.alpha, self.limit = float(moe.swiglu_alpha), float(moe.swiglu_limit)
+
+    def forward(self, x: Tensor, ids: Tensor, weights: Tensor, deterministic: bool) -> Tensor:
+        """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) → [N, H] in x's dtype."""
+        if not torch.jit.is_scripting():
+            if x.is_cuda:
+                return _fused_experts(x, ids, weights, self.gate_up, self.down, self.clamp, self.alpha, self.limit)
+        k = ids.shape[1]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert, tokens in order
+        counts: List[int] = torch.bincount(flat, minlength=self.num_experts).tolist()
+        pair_weights = weights.reshape(-1).index_select(0, order)
+        tokens = torch.div(order, k, rounding_mode="floor")
+        # Summed in float32: a token's k contributions are added in expert order, whatever its neighbours.
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        start = 0
+        for expert in range(self.num_experts):
+            count = counts[expert]
+            if count == 0:
+                continue
+            rows = tokens[start:start + count]
+            hidden = self.gate_up.matmul(x.index_select(0, rows), expert, deterministic)
+            act = expert_activation(hidden, self.clamp, self.alpha, self.limit)
+            y = self.down.matmul(act, expert, deterministic).float()
+            out.index_add_(0, rows, y * pair_weights[start:start + count].unsqueeze(1))
+            start += count
+        return out.to(x.dtype)
+
+
+class _Absent(nn.Module):
+    """Stands in for a shared expert a family does not have (TorchScript compiles the branch that never calls it)."""
+
+    def forward(self, x: Tensor, packed_rows: int, deterministic: bool) -> Tensor:
+        return x
+
+
+class MoEMLP(nn.Module):
+    """The mixture-of-experts MLP, called like GatedMLP: router, routed experts, and the optional shared expert."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        moe = cfg.moe
+        assert moe is not None
+        self.router = Linear(cfg.hidden_size, moe.num_experts, bias=moe.router_bias)
+        self.experts = MoEExperts(moe, cfg.hidden_size)
+        self.top_k = moe.top_k
+        self.top_k_first = moe.router == "topk_softmax"
+        self.renormalize = bool(moe.renormalize)
+        self.has_shared = moe.shared_intermediate > 0
+        if self.has_shared:
+            self.shared_expert = GatedMLP(cfg, moe.shared_intermediate)
+            self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
+        else:
+            self.shared_expert = _Absent()
+            self.shared_expert_gate = _Absent()
+
+    def forward(self, x: Tensor, packed_rows: int, deterministic: bool) -> Tensor:
+        # The router stays in float (never quantized): its top-k choice is sensitive to small errors.
+        logits = self.router(x, 0, deterministic)
+        weights, ids = route(logits, self.top_k, self.top_k_first, self.renormalize)
+        out = self.experts(x, ids, weights, deterministic)
+        if self.has_shared:
+            gate = torch.sigmoid(self.shared_expert_gate(x, 0, deterministic))
+            out = out + gate * self.shared_expert(x, packed_rows, deterministic)
+        return out
+
+
+def build_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
+    """The MLP of block `layer`: MoEMLP on a mixture-of-experts model's sparse layers, else GatedMLP."""
+    if cfg.moe is not None and layer not in cfg.moe.dense_layers:
+        return MoEMLP(cfg)
+    return GatedMLP(cfg)

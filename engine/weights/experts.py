@@ -1,0 +1,69 @@
+"""Mixture-of-experts tensors of Hugging Face checkpoints in the decoder's names: the router, and every expert's
+projection stacked along a leading expert dimension, one stack per projection (gate, up, down).
+
+Checkpoints store experts three ways: one tensor per expert and projection (Qwen-MoE, OLMoE:
+`mlp.experts.E.gate_proj.weight`; Mixtral: `block_sparse_moe.experts.E.w1/w3/w2`), stacked and concatenated
+(transformers' fused form: `mlp.experts.gate_up_proj` [E, 2I, H]), or gpt-oss's own stacks, transposed with gate
+and up interleaved column by column (`mlp.experts.gate_up_proj` [E, H, 2I], biases beside them). The stacks named
+here (`mlp.experts.{gate,up,down}_proj` [E, out, in] and `..._bias` [E, out]) are what the loader fuses into the
+decoder's `experts.gate_up` and `experts.down` (engine/loader/build.py).
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from engine.config import ModelConfig
+from engine.errors import ModelFormatError
+
+_PER_EXPERT = re.compile(r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+_ROUTER = re.compile(r"layers\.(\d+)\.(?:mlp\.gate|block_sparse_moe\.gate|mlp\.router)\.(weight|bias)")
+_STACKED = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?")
+_PROJECTIONS = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj",
+                "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def is_expert_tensor(name: str) -> bool:
+    """Whether a checkpoint tensor (in the decoder's names, prefix stripped) belongs to a router or the experts."""
+    return bool(_PER_EXPERT.fullmatch(name) or _ROUTER.fullmatch(name) or _STACKED.fullmatch(name))
+
+
+def stack_experts(state: dict[str, Any], cfg: ModelConfig) -> None:
+    """Rename the routers and stack the experts of `state` in place (each expert's tensors are popped as they are
+    stacked, so no more than one layer's projection is held twice)."""
+    moe = cfg.moe
+    if moe is None:
+        return
+    per_expert: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    for name in list(state):
+        if m := _ROUTER.fullmatch(name):
+            state[f"layers.{m[1]}.mlp.router.{m[2]}"] = state.pop(name)
+        elif m := _PER_EXPERT.fullmatch(name):
+            if m[3] not in _PROJECTIONS:
+                raise ModelFormatError(f"unexpected expert tensor {name!r}")
+            per_expert.setdefault((int(m[1]), _PROJECTIONS[m[3]]), {})[int(m[2])] = state.pop(name)
+        elif m := _STACKED.fullmatch(name):
+            _split_stacked(state, int(m[1]), m[2], bool(m[3]), state.pop(name), cfg.family == "gpt_oss")
+    for (layer, projection), experts in per_expert.items():
+        if sorted(experts) != list(range(moe.num_experts)):
+            raise ModelFormatError(f"layer {layer} {projection}: {len(experts)} of {moe.num_experts} experts found")
+        state[f"layers.{layer}.mlp.experts.{projection}"] = torch.stack([experts.pop(e) for e in range(len(experts))])
+
+
+def _split_stacked(state: dict[str, Any], layer: int, kind: str, bias: bool, tensor: torch.Tensor,
+                   gpt_oss: bool) -> None:
+    """One stacked tensor: gpt-oss's ([E, H, 2I] interleaved gate/up; [E, I, H] down; biases [E, 2I], [E, H]) or
+    transformers' fused ([E, 2I, H] gate then up; [E, H, I] down)."""
+    prefix, suffix = f"layers.{layer}.mlp.experts.", "_bias" if bias else ""
+    if kind == "down_proj":
+        state[f"{prefix}down_proj{suffix}"] = tensor if bias or not gpt_oss else tensor.transpose(1, 2).contiguous()
+        return
+    if gpt_oss:
+        rows = tensor if bias else tensor.transpose(1, 2)  # [E, 2I(, H)], gate and up alternating
+        gate, up = rows[:, 0::2], rows[:, 1::2]
+    else:
+        gate, up = tensor.chunk(2, dim=1)
+    state[f"{prefix}gate_proj{suffix}"] = gate.contiguous()
+    state[f"{prefix}up_proj{suffix}"] = up.contiguous()
