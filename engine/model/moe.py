@@ -20,18 +20,23 @@ from engine.model.layers import GatedMLP, Linear, tiled_matmul
 
 
 
+def _top_k(scores: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+    values, ids = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return values[:, :k], ids[:, :k]
+
+
 def route(logits: Tensor, top_k: int, top_k_first: bool, renormalize: bool) -> Tuple[Tensor, Tensor]:
     """(weights [N, k] float32, expert ids [N, k] int64) from router logits [N, E].
 
     Softmax over all experts, the k largest kept (divided by their sum when `renormalize`); or, `top_k_first`
-    (gpt-oss), the k largest logits and a softmax over them. Ties go to the lower expert id (torch.topk's
-    order, as in the reference implementations)."""
+    (gpt-oss), the k largest logits and a softmax over them. Ties go to the lower expert id, on every device and
+    whatever the batch (torch.topk leaves their order unspecified: a stable sort keeps it)."""
     logits = logits.float()
     if top_k_first:
-        top, ids = torch.topk(logits, top_k, dim=-1)
+        top, ids = _top_k(logits, top_k)
         return torch.softmax(top, dim=-1), ids
     probs = torch.softmax(logits, dim=-1)
-    top, ids = torch.topk(probs, top_k, dim=-1)
+    top, ids = _top_k(probs, top_k)
     if renormalize:
         top = top / top.sum(dim=-1, keepdim=True)
     return top, ids

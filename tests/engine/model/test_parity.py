@@ -22,6 +22,7 @@ import torch
 
 from tests.support.tiny_models import (
     GGUF_TYPES,
+    MOE_VARIANTS,
     VARIANTS,
     assert_logits_close,
     hf_greedy,
@@ -30,6 +31,14 @@ from tests.support.tiny_models import (
 )
 
 FORMATS = ["safetensors", "gguf"]
+ALL_VARIANTS = VARIANTS + MOE_VARIANTS
+# (variant, format) pairs: every dense family in both formats; the mixture-of-experts families as safetensors
+CASES = [(v, f) for v in VARIANTS for f in FORMATS] + [(v, "safetensors") for v in MOE_VARIANTS]
+
+
+def snapshot_format(variant: str) -> str:
+    return "safetensors" if variant in MOE_VARIANTS else "gguf"
+
 QUANTIZED = GGUF_TYPES[1:]
 PROMPT_LEN = 24
 DECODE_STEPS = 16
@@ -70,8 +79,7 @@ def reference(tiny_zoo):
     return get
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant,fmt", CASES)
 def test_loads_family_and_vocab(tiny_zoo, runner_for, variant, fmt):
     tiny = tiny_zoo.model(variant)
     runner = runner_for(variant, fmt)
@@ -79,8 +87,7 @@ def test_loads_family_and_vocab(tiny_zoo, runner_for, variant, fmt):
     assert runner.vocab_size == tiny.config.vocab_size
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant,fmt", CASES)
 def test_prefill_logits_match_hf(tiny_zoo, runner_for, variant, fmt):
     tiny = tiny_zoo.model(variant)
     runner = runner_for(variant, fmt)
@@ -90,8 +97,7 @@ def test_prefill_logits_match_hf(tiny_zoo, runner_for, variant, fmt):
     assert_logits_close(runner.prefill_logits(ids), expected[-1], f"{variant}/{fmt} prefill_logits (last)")
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant,fmt", CASES)
 def test_cached_decode_matches_hf_full_sequence(runner_for, reference, variant, fmt):
     runner = runner_for(variant, fmt)
     prompt, cont, expected = reference(variant)
@@ -125,9 +131,9 @@ def test_quantized_gguf_matches_dequantized_reference(tiny_zoo, runner_for, refe
         assert_logits_close(runner.decode_logits(token), expected[len(prompt) + step], f"{what} decode step {step}")
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
 def test_snapshot_restore_continues_like_the_original_session(tiny_zoo, runner_for, reference, variant):
-    runner = runner_for(variant, "gguf")
+    runner = runner_for(variant, snapshot_format(variant))
     prompt, cont, expected = reference(variant)
     n = len(prompt)
     runner.prefill_logits(prompt)
@@ -152,10 +158,10 @@ def test_snapshot_restore_continues_like_the_original_session(tiny_zoo, runner_f
         assert_logits_close(again, expected[n + step], f"{variant} decode step {step} after restore")
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
 def test_prefill_reusing_equals_cold_prefill(tiny_zoo, runner_for, reference, variant):
     tiny = tiny_zoo.model(variant)
-    runner = runner_for(variant, "gguf")
+    runner = runner_for(variant, snapshot_format(variant))
     prompt, cont, expected = reference(variant)
     n = len(prompt)
 
@@ -192,8 +198,7 @@ def test_prefill_reusing_equals_cold_prefill(tiny_zoo, runner_for, reference, va
     assert_logits_close(runner.prefill_logits_reusing(same, snap, len(same)), expected[n + 3], f"{variant} full reuse")
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant,fmt", CASES)
 def test_generate_equals_hf_greedy_generate(tiny_zoo, runner_for, reference, variant, fmt):
     tiny = tiny_zoo.model(variant)
     prompt, cont, _ = reference(variant)

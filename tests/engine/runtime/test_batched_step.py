@@ -16,7 +16,7 @@ from engine.model.batch import StepRow
 from engine.errors import ContextLengthError
 from engine.cache.block_manager import NoFreeBlocks
 from engine.cache.kv_cache import kv_bytes_per_token
-from tests.support.tiny_models import assert_logits_close, hf_logits
+from tests.support.tiny_models import MOE_VARIANTS, assert_logits_close, hf_logits
 
 BLOCK = 16  # the runner's default block size
 
@@ -95,7 +95,7 @@ def _reference_for(request, tiny, which):
     return runner, lambda ids: hf_logits(model, ids)
 
 
-@pytest.mark.parametrize("which", ["llama_tied", "qwen2", "qwen3", "gemma3", "smollm"])
+@pytest.mark.parametrize("which", ["llama_tied", "qwen2", "qwen3", "gemma3", "smollm", *MOE_VARIANTS])
 def test_mixed_prefill_and_decode_rows_match_each_sequence_alone(request, tiny, which):
     runner, reference = _reference_for(request, tiny, which)
     rng = random.Random(7)
