@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.config import ModelConfig
+from engine.model.moe import MoEMLP
 from engine.parallel.sharding import Shard
 
 
@@ -72,6 +73,9 @@ def parallelize(model: nn.Module, cfg: ModelConfig, shard: Shard, group: str) ->
     """Wrap the loaded shares of `model` (engine/parallel/sharding.py) in the modules that communicate over `group`."""
     for block in model.layers:
         block.self_attn.o_proj = RowParallel(block.self_attn.o_proj, group)
-        block.mlp.down_proj = RowParallel(block.mlp.down_proj, group)
+        if isinstance(block.mlp, MoEMLP):  # routed and shared experts' partial sums, reduced once
+            block.mlp = RowParallel(block.mlp, group)
+        else:
+            block.mlp.down_proj = RowParallel(block.mlp.down_proj, group)
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, shard.vocab_start, shard.vocab_rows, group)
     model.lm_head = GatheredLMHead(model.lm_head, cfg.vocab_size, shard.size, group)

@@ -20,6 +20,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.errors import UnsupportedModelError
 from engine.model.layers import Linear
+from engine.model.moe import ExpertStack, MoEMLP
 from engine.model.quant import GROUP_SIZE, Affine4Bit
 
 
@@ -50,8 +51,13 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
     kv = cfg.num_kv_heads
     if kv % size and size % kv:
         problems.append(f"{kv} KV heads (neither a multiple nor a divisor of {size})")
-    if cfg.intermediate_size % size:
+    moe = cfg.moe
+    if (moe is None or moe.dense_layers) and cfg.intermediate_size % size:
         problems.append(f"an FFN width of {cfg.intermediate_size}")
+    if moe is not None and moe.expert_intermediate % size:
+        problems.append(f"an expert FFN width of {moe.expert_intermediate}")
+    if moe is not None and moe.shared_intermediate % size:
+        problems.append(f"a shared expert FFN width of {moe.shared_intermediate}")
     if problems:
         raise UnsupportedModelError(
             f"a {cfg.family} model with {', '.join(problems)} does not split over {size} tensor-parallel ranks; "
@@ -105,6 +111,46 @@ def _pad_rows(w: Weight, rows: int) -> Weight:
     return torch.cat((w, torch.zeros((missing, *w.shape[1:]), dtype=w.dtype)))
 
 
+def _first_rank_only(state: dict[str, Weight], name: str, shard: Shard) -> None:
+    """A bias added after a row-parallel sum: rank 0 adds it, the others add zeros."""
+    if name in state and shard.rank:
+        state[name] = torch.zeros_like(state[name])
+
+
+def _shard_gated(state: dict[str, Weight], prefix: str, width: int, shard: Shard) -> None:
+    """A gated MLP of FFN `width` (fused [gate | up], then down): this rank's slice of the width."""
+    part = width // shard.size
+    i0 = shard.rank * part
+    w = state[f"{prefix}gate_up_proj.weight"]
+    state[f"{prefix}gate_up_proj.weight"] = _cat_rows([_rows(w, i0, i0 + part),
+                                                      _rows(w, width + i0, width + i0 + part)])
+    state[f"{prefix}down_proj.weight"] = _columns(state[f"{prefix}down_proj.weight"], i0, i0 + part)
+
+
+def _shard_experts(state: dict[str, Weight], prefix: str, cfg: ModelConfig, shard: Shard) -> None:
+    """Tensor-parallel experts: every rank holds every expert and routes every token (the router is replicated),
+    with its slice of each expert's FFN width; the layer's output is summed over the ranks (parallelize)."""
+    moe = cfg.moe
+    assert moe is not None
+    width = moe.expert_intermediate
+    part = width // shard.size
+    i0 = shard.rank * part
+    for kind in ("weight", "bias"):
+        name = f"{prefix}experts.gate_up.{kind}"
+        if name in state:  # [E, gate (I) | up (I), ...] → this rank's slice of each half
+            w = _dense(state[name])
+            state[name] = torch.cat((w[:, i0:i0 + part], w[:, width + i0:width + i0 + part]), dim=1).contiguous()
+    state[f"{prefix}experts.down.weight"] = _dense(state[f"{prefix}experts.down.weight"])[:, :, i0:i0 + part]
+    state[f"{prefix}experts.down.weight"] = state[f"{prefix}experts.down.weight"].contiguous()
+    _first_rank_only(state, f"{prefix}experts.down.bias", shard)
+    if moe.shared_intermediate:
+        _shard_gated(state, f"{prefix}shared_expert.", moe.shared_intermediate, shard)
+
+
+def _dense(w: Weight) -> torch.Tensor:
+    return w.dequantize() if hasattr(w, "dequantize") else w
+
+
 def shard_state(state: dict[str, Weight], cfg: ModelConfig, shard: Shard) -> None:
     """Replace the (fused, see loader._fuse_projections) full tensors of `state` by this rank's shares, in place.
     A tied LM head stays the same object as the embedding."""
@@ -120,12 +166,12 @@ def shard_state(state: dict[str, Weight], cfg: ModelConfig, shard: Shard) -> Non
                 state[name] = _cat_rows([_rows(w, q0, q0 + lh * d),
                                          _rows(w, h * d + k0, h * d + k0 + lkv * d),
                                          _rows(w, (h + kv) * d + k0, (h + kv) * d + k0 + lkv * d)])
-        w, i0 = state[f"{p}mlp.gate_up_proj.weight"], shard.rank * li
-        state[f"{p}mlp.gate_up_proj.weight"] = _cat_rows([_rows(w, i0, i0 + li),
-                                                          _rows(w, cfg.intermediate_size + i0,
-                                                                cfg.intermediate_size + i0 + li)])
         state[f"{p}self_attn.o_proj.weight"] = _columns(state[f"{p}self_attn.o_proj.weight"], q0, q0 + lh * d)
-        state[f"{p}mlp.down_proj.weight"] = _columns(state[f"{p}mlp.down_proj.weight"], i0, i0 + li)
+        _first_rank_only(state, f"{p}self_attn.o_proj.bias", shard)
+        if f"{p}mlp.gate_up_proj.weight" in state:
+            _shard_gated(state, f"{p}mlp.", cfg.intermediate_size, shard)
+        else:
+            _shard_experts(state, f"{p}mlp.", cfg, shard)
     tied = state["lm_head.weight"] is state["embed_tokens.weight"]
     v0, v1 = shard.vocab_start, shard.vocab_start + shard.vocab_rows
     for name in ("embed_tokens.weight",) if tied else ("embed_tokens.weight", "lm_head.weight"):
@@ -142,9 +188,26 @@ def resize_modules(model: nn.Module, cfg: ModelConfig, shard: Shard) -> None:
         for block in model.layers:
             attn, mlp = block.self_attn, block.mlp
             attn.qkv_proj = Linear(hidden, (lh + 2 * lkv) * d, bias=cfg.attention_bias)
-            attn.o_proj = Linear(lh * d, hidden, bias=False)
+            attn.o_proj = Linear(lh * d, hidden, bias=cfg.o_proj_bias)
             attn.num_heads, attn.num_kv_heads = lh, lkv
-            mlp.gate_up_proj = Linear(hidden, 2 * li, bias=False)
-            mlp.down_proj = Linear(li, hidden, bias=False)
+            if isinstance(mlp, MoEMLP):
+                _resize_experts(mlp, cfg, shard)
+            else:
+                _resize_gated(mlp, hidden, li)
         model.embed_tokens = nn.Embedding(shard.vocab_rows, hidden)
         model.lm_head = Linear(hidden, shard.vocab_rows, bias=False)
+
+
+def _resize_gated(mlp: nn.Module, hidden: int, width: int) -> None:
+    mlp.gate_up_proj = Linear(hidden, 2 * width, bias=False)
+    mlp.down_proj = Linear(width, hidden, bias=False)
+
+
+def _resize_experts(mlp: MoEMLP, cfg: ModelConfig, shard: Shard) -> None:
+    moe, hidden = cfg.moe, cfg.hidden_size
+    assert moe is not None
+    part = moe.expert_intermediate // shard.size
+    mlp.experts.gate_up = ExpertStack(moe.num_experts, 2 * part, hidden, moe.expert_bias)
+    mlp.experts.down = ExpertStack(moe.num_experts, hidden, part, moe.expert_bias)
+    if moe.shared_intermediate:
+        _resize_gated(mlp.shared_expert, hidden, moe.shared_intermediate // shard.size)

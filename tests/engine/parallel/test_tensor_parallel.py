@@ -26,7 +26,8 @@ from tests.support.tiny_models import prompt_ids
 
 TP = 2
 TOLERANCE = 1e-5  # float32, absolute
-FAMILIES = ["llama_tied", "qwen2", "qwen3", "gemma3"]  # one variant per family (llama3_scaled: llama again)
+# one variant per family (llama3_scaled: llama again); the mixtures of experts split each expert's FFN width
+FAMILIES = ["llama_tied", "qwen2", "qwen3", "gemma3", "qwen3_moe", "qwen2_moe", "mixtral"]
 
 
 @pytest.fixture(autouse=True)
