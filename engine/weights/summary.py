@@ -36,6 +36,8 @@ class WeightsSummary:
     context_length: int
     has_chat_template: bool
     size_bytes: int  # the weights files on disk
+    experts: int = 0       # a mixture of experts: experts per layer (0: a dense model)
+    experts_used: int = 0  # experts each token is routed to
 
     @property
     def parameter_size(self) -> str:
@@ -109,7 +111,8 @@ def _gguf_summary(path: Path) -> WeightsSummary:
     cfg = config_from_gguf(gguf.metadata, has_output_tensor="output.weight" in gguf.tensors)
     counts = {name: math.prod(entry.shape) for name, entry in gguf.tensors.items()}
     return WeightsSummary("gguf", cfg.family, sum(counts.values()), _gguf_file_type(gguf, counts),
-                          cfg.max_position, bool(gguf.metadata.get("tokenizer.chat_template")), gguf.size_bytes)
+                          cfg.max_position, bool(gguf.metadata.get("tokenizer.chat_template")), gguf.size_bytes,
+                          *_experts(cfg))
 
 
 def _gguf_file_type(gguf: GGUFFile, counts: dict[str, int]) -> str:
@@ -133,14 +136,21 @@ def _safetensors_summary(directory: Path) -> WeightsSummary:
     by_dtype: dict[str, int] = {}
     files = shard_files(directory)
     for file in files:
-        for entry in _safetensors_header(file).values():
+        for name, entry in _safetensors_header(file).items():
             if entry["dtype"] in _FLOAT_DTYPES:
                 by_dtype[entry["dtype"]] = by_dtype.get(entry["dtype"], 0) + math.prod(entry["shape"])
+            elif name.endswith("_blocks") and entry["dtype"] == "U8":  # MXFP4 experts: two weights a byte
+                by_dtype["MXFP4"] = by_dtype.get("MXFP4", 0) + 2 * math.prod(entry["shape"])
     if not by_dtype:
         raise ModelFormatError(f"{directory}: no floating-point weights in its safetensors files")
     return WeightsSummary("safetensors", cfg.family, sum(by_dtype.values()), max(by_dtype, key=by_dtype.__getitem__),
                           cfg.max_position, pretrained_chat_template(directory) is not None,
-                          sum(f.stat().st_size for f in files))
+                          sum(f.stat().st_size for f in files), *_experts(cfg))
+
+
+def _experts(cfg: ModelConfig | EncoderConfig) -> tuple[int, int]:
+    moe = getattr(cfg, "moe", None)
+    return (moe.num_experts, moe.top_k) if moe is not None else (0, 0)
 
 
 def _safetensors_header(file: Path) -> dict[str, dict[str, Any]]:

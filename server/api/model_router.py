@@ -29,7 +29,9 @@ def model_card(state: ModelState) -> ModelCard:
         parameter_size=weights and weights.parameter_size, quantization_level=weights and weights.file_type,
         quant=model.quant, dtype=str(model.dtype).removeprefix("torch."),
         context_length=weights and weights.context_length, chat_tuned=model.chat_tuned,
-        embedding=model.is_encoder, size=weights and weights.size_bytes)
+        embedding=model.is_encoder, size=weights and weights.size_bytes,
+        expert_count=weights.experts if weights and weights.experts else None,
+        expert_used_count=weights.experts_used if weights and weights.experts else None)
     return ModelCard(id=state.model_id, created=state.created, max_model_len=model.context_size, details=details)
 
 

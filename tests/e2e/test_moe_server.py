@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -128,3 +130,18 @@ def test_deterministic_mode_gives_a_request_the_same_logprobs_alone_and_batched(
     assert alone.choices[0].message.content == batched.choices[0].message.content
     assert [t.logprob for t in alone.choices[0].logprobs.content] == \
         [t.logprob for t in batched.choices[0].logprobs.content]
+
+
+def test_models_lists_the_experts(ngram_server: ServerProcess, model_dirs: dict[str, str]) -> None:
+    from safetensors import safe_open
+
+    card = httpx.get(f"{ngram_server.base_url}/v1/models").json()["data"][0]
+    config = json.loads((Path(model_dirs["qwen3_moe"]) / "config.json").read_text())
+    with safe_open(str(Path(model_dirs["qwen3_moe"]) / "model.safetensors"), "pt") as f:
+        parameters = sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    details = card["details"]
+    assert details["family"] == "qwen3_moe"
+    # transformers writes Qwen3-MoE's num_experts as num_local_experts; the hub's checkpoints say num_experts
+    experts = config.get("num_experts") or config["num_local_experts"]
+    assert (details["expert_count"], details["expert_used_count"]) == (experts, config["num_experts_per_tok"])
+    assert details["parameters"] == parameters

@@ -366,7 +366,8 @@ class ModelDetails(BaseModel):
     """What the served model is, an entry's `details` (named as Ollama's `details` and llama-server's `meta`): read
     from its weights files' headers and the model registry."""
 
-    family: str = Field(description="the architecture: llama, qwen2, qwen3, gemma3, bert")
+    family: str = Field(description="the architecture: llama, qwen2, qwen3, gemma3, qwen3_moe, qwen2_moe, mixtral, "
+                                    "olmoe, gpt_oss, bert")
     format: Literal["gguf", "safetensors"] | None = Field(description="the weights' file format")
     parameters: int | None = Field(description="the parameter count: every weight tensor's elements (llama-server's "
                                                "n_params)")
@@ -382,6 +383,10 @@ class ModelDetails(BaseModel):
                                          "an embedding model only embeds")
     embedding: bool = Field(description="an embedding model (an encoder): it serves /v1/embeddings only")
     size: int | None = Field(description="the weights files' size on disk, in bytes")
+    expert_count: int | None = Field(None, description="a mixture of experts: the experts of each MoE layer "
+                                                       "(llama.cpp's expert_count); absent for a dense model")
+    expert_used_count: int | None = Field(None, description="a mixture of experts: the experts each token is routed "
+                                                            "to (llama.cpp's expert_used_count)")
 
 
 class ModelCard(BaseModel):
