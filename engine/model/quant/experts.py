@@ -172,7 +172,7 @@ class Mxfp4Experts(ExpertStack):
         table = self.pairs.to(dtype) if exact else self.pairs
         values = F.embedding(self.blocks[expert].to(torch.int32), table)  # [out, in / 2, 2]
         half = self.halves.to(table.dtype)[self.scales[expert].to(torch.int64)]  # [out, in / 32]
-        w = values.view(self.out_features, -1, MXFP4_BLOCK) * half.unsqueeze(-1)
+        w = values.view(half.shape[0], half.shape[1], -1) * half.unsqueeze(-1)  # per block of 32 inputs
         return w.view(self.out_features, self.in_features).to(dtype)
 
     def expert_matmul(self, x: Tensor, expert: int, deterministic: bool) -> Tensor:
