@@ -29,12 +29,12 @@ from engine.model.quant import dot as quant_dot
 from engine.model.quant.formats import Affine4Bit, int4_matmul, int4_supported, quantize_4bit, quantize_int8
 from engine.model.quant.mxfp4 import MXFP4_BLOCK, Mxfp4Tensor, doubled_byte_pairs, e8m0_half, quantize_mxfp4
 
-ExpertWeight = Union[Tensor, Affine4Bit]
+ExpertWeight = Union[Tensor, Affine4Bit, Mxfp4Tensor]  # one expert's [out, in]
+# stacked [E, out, in], or the experts one by one
 ExpertSource = Union[Tensor, Affine4Bit, Mxfp4Tensor, Iterable[ExpertWeight]]
 
 _TILE = quant_dot.TILE
 _INT4_ROW_MULTIPLE = 16  # torch's int4 CPU kernel packs output rows in tiles of 16 (as formats.Int4Linear)
-MXFP4_RECORD = 272       # Mxfp4DotExperts' bytes per tile of 16 rows and block of 32 inputs
 
 
 class ExpertStack(nn.Module):
@@ -113,15 +113,22 @@ def _pack_stack(source: ExpertSource, num_experts: Optional[int],
 
 
 def _dense(w: ExpertWeight) -> Tensor:
-    return w.dequantize() if isinstance(w, Affine4Bit) else w
+    return w.dequantize() if isinstance(w, (Affine4Bit, Mxfp4Tensor)) else w
 
 
 def _four_bit(w: ExpertWeight) -> Affine4Bit:
-    return w if isinstance(w, Affine4Bit) else quantize_4bit(w)
+    return w if isinstance(w, Affine4Bit) else quantize_4bit(_dense(w))
 
 
-def _mxfp4(w: Union[Tensor, Mxfp4Tensor]) -> Mxfp4Tensor:
-    return w if isinstance(w, Mxfp4Tensor) else quantize_mxfp4(w)
+def _mxfp4(w: ExpertWeight) -> Mxfp4Tensor:
+    if isinstance(w, Mxfp4Tensor):
+        return w
+    return quantize_mxfp4(w.dequantize() if isinstance(w, Affine4Bit) else w)
+
+
+def _mxfp4_parts(w: ExpertWeight) -> Tuple[Tensor, Tensor]:
+    q = _mxfp4(w)
+    return q.blocks, q.scales
 
 
 def _float_matmul(x: Tensor, w: Tensor, deterministic: bool) -> Tensor:
@@ -134,8 +141,6 @@ class DenseExperts(ExpertStack):
     def __init__(self, experts: ExpertSource, bias: Optional[Tensor], dtype: torch.dtype,
                  num_experts: Optional[int] = None) -> None:
         super().__init__()
-        if isinstance(experts, Mxfp4Tensor):
-            experts = experts.dequantize(dtype)
         (weight,), e, out_f, in_f = _pack_stack(experts, num_experts, lambda w: (_dense(w).to(dtype),))
         self._init_stack(e, out_f, in_f, bias, dtype)
         self.register_buffer("weight", weight)
@@ -158,8 +163,7 @@ class Mxfp4Experts(ExpertStack):
         if isinstance(experts, Mxfp4Tensor):  # already stacked: kept as it is
             (blocks, scales), (e, out_f, in_f) = (experts.blocks, experts.scales), tuple(experts.shape)
         else:
-            (blocks, scales), e, out_f, in_f = _pack_stack(
-                experts, num_experts, lambda w: (_mxfp4(w).blocks, _mxfp4(w).scales))
+            (blocks, scales), e, out_f, in_f = _pack_stack(experts, num_experts, _mxfp4_parts)
         self._init_stack(e, out_f, in_f, bias, dtype)
         self.register_buffer("blocks", blocks.contiguous())
         self.register_buffer("scales", scales.contiguous())

@@ -78,7 +78,7 @@ class Mxfp4Tensor:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The weights [..., out, in] as `dtype` (computed exactly in float32, then cast)."""
-        pairs = doubled_byte_pairs(device=self.blocks.device)[self.blocks.long()]  # [..., out, in // 2, 2]
+        pairs = torch.nn.functional.embedding(self.blocks.to(torch.int32), doubled_byte_pairs(device=self.device))
         values = pairs.view(*self.scales.shape, MXFP4_BLOCK) * e8m0_half(self.scales).unsqueeze(-1)
         return values.view(self.shape).to(dtype)
 
