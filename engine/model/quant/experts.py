@@ -173,10 +173,11 @@ class Mxfp4Experts(ExpertStack):
     def dequantize_as(self, expert: int, dtype: torch.dtype) -> Tensor:
         """Expert `expert`'s weights [out, in] as `dtype`."""
         exact = dtype == torch.float32 or dtype == torch.bfloat16  # float16 goes through float32
-        table = self.pairs.to(dtype) if exact else self.pairs
-        values = F.embedding(self.blocks[expert].to(torch.int32), table)  # [out, in / 2, 2]
-        half = self.halves.to(table.dtype)[self.scales[expert].to(torch.int64)]  # [out, in / 32]
-        w = values.view(half.shape[0], half.shape[1], -1) * half.unsqueeze(-1)  # per block of 32 inputs
+        compute = dtype if exact else torch.float32
+        # (Gathering a byte's two values as one int32 is faster, but TorchScript cannot view int32 as bfloat16.)
+        values = F.embedding(self.blocks[expert].to(torch.int32), self.pairs.to(compute))  # [out, in / 2, 2]
+        half = self.halves.to(compute)[self.scales[expert].to(torch.int64)]  # [out, in / 32]
+        w = values.view(half.shape[0], half.shape[1], -1).mul_(half.unsqueeze(-1))  # per block of 32 inputs
         return w.view(self.out_features, self.in_features).to(dtype)
 
     def expert_matmul(self, x: Tensor, expert: int, deterministic: bool) -> Tensor:

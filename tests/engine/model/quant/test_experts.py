@@ -77,6 +77,15 @@ def test_mxfp4_experts() -> None:
     check_float_matmul(stack, q.dequantize(), b)
 
 
+def test_mxfp4_experts_one_by_one() -> None:
+    """Per-expert MXFP4 tensors stack to the same weights; float experts are quantized as quantize_mxfp4 does."""
+    w = weights()
+    q = quantize_mxfp4(w)
+    for stack in (Mxfp4Experts([q.select(e) for e in range(E)], None, torch.float32),
+                  Mxfp4Experts(iter(w.unbind(0)), None, torch.float32, num_experts=E)):
+        assert torch.equal(stack.blocks, q.blocks) and torch.equal(stack.scales, q.scales)
+
+
 def test_mxfp4_experts_in_bfloat16_dequantize_exactly() -> None:
     q = quantize_mxfp4(weights())
     stack = Mxfp4Experts(q, None, torch.bfloat16)
