@@ -1,4 +1,4 @@
-// Quantized matmuls by integer dot products: int4 or int8 weights times activations quantized to int8 per block
+// Quantized matmuls by integer dot products: int4, int8 or MXFP4 weights times activations quantized to int8 per block
 // of 32 inputs (what llama.cpp's CPU backend does with its Q8 activation blocks).
 //
 // A CPU decode step reads every weight once per step; torch's own packed kernels spend far longer than that takes
@@ -12,7 +12,9 @@
 // all lanes. Per tile and block of 32 inputs:
 //   int4  320 bytes: 4 x 64 bytes of codes (the low nibble holds inputs 4c..4c+3 of the block, the high nibble
 //         inputs 16+4c..16+4c+3), then 16 float16 scales d and 16 float16 offsets m (w = code * d + m);
-//   int8  512 bytes: 8 x 64 bytes of codes + 128 (unsigned), one float32 scale per row beside them.
+//   int8  512 bytes: 8 x 64 bytes of codes + 128 (unsigned), one float32 scale per row beside them;
+//   mxfp4 272 bytes: 4 x 64 bytes of E2M1 codes laid out as int4's, then the 16 rows' E8M0 scale bytes
+//         (engine/model/quant/experts.py packs it).
 // Dot products within a block are exact integers and blocks are added in order, so a row's result does not
 // depend on which other rows share the call (batch-invariant) or on how the tiles are split over threads.
 #include <ATen/ATen.h>
@@ -36,6 +38,7 @@ constexpr int64_t kBlock = 32;        // inputs per activation scale
 constexpr int64_t kTile = 16;         // output rows per tile (one per int32 lane)
 constexpr int64_t kInt4Record = 320;  // bytes per tile and block, int4 weights
 constexpr int64_t kInt8Record = 512;  // bytes per tile and block, int8 weights
+constexpr int64_t kMxfp4Record = 272; // bytes per tile and block, MXFP4 weights
 constexpr int kRowTile = 4;           // activation rows computed together (each needs 3 vector registers)
 constexpr int64_t kParallelMacs = 1 << 18;  // below this many multiply-adds a call stays on the calling thread
 
@@ -158,6 +161,47 @@ VNNI_TARGET void int8_tile(const uint8_t* tile, const float* row_scale, const Qu
   for (int r = 0; r < R; ++r) store_tile(_mm512_mul_ps(acc[r], s), out + r * out_stride, count);
 }
 
+// The same for MXFP4 weights: a nibble is an E2M1 code, looked up (vpshufb) as twice its value plus 12, unsigned
+// 0..24, so a block's dot product is sum(u * x) - 12 * sum(x), exact in int32, and its scale is half the E8M0
+// one, 2^(e - 128) (ggml's GGML_E8M0_TO_FP32_HALF: a float32 for every byte), built from the byte's bits.
+template <int R, typename T>
+VNNI_TARGET void mxfp4_tile(const uint8_t* tile, const QuantizedRows& a, int64_t row0, T* out, int64_t out_stride,
+                            int64_t count) {
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
+  const __m512i doubled = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24,
+                                                               12, 11, 10, 9, 8, 6, 4, 0));
+  const __m512i two = _mm512_set1_epi32(2), one = _mm512_set1_epi32(1);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const uint8_t* rec = tile + b * kMxfp4Record;
+    __m512i lo_sum[R], hi_sum[R];
+    for (int r = 0; r < R; ++r) lo_sum[r] = hi_sum[r] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      const __m512i w = _mm512_loadu_si512(rec + 64 * c);
+      const __m512i lo = _mm512_shuffle_epi8(doubled, _mm512_and_si512(w, nibble));
+      const __m512i hi = _mm512_shuffle_epi8(doubled, _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble));
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = a.codes + ((row0 + r) * a.blocks + b) * kBlock;
+        lo_sum[r] = _mm512_dpbusd_epi32(lo_sum[r], lo, broadcast4(x + 4 * c));
+        hi_sum[r] = _mm512_dpbusd_epi32(hi_sum[r], hi, broadcast4(x + 16 + 4 * c));
+      }
+    }
+    // 2^(e - 128): the exponent field e - 1 for e >= 2, the subnormals 2^-127 (e = 1) and 2^-128 (e = 0) below
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 256)));
+    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, one), 23);
+    const __m512i subnormal = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), _mm512_min_epu32(e, one));
+    const __m512 half = _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmpge_epu32_mask(e, two), subnormal,
+                                                                    normal));
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (row0 + r) * a.blocks + b;
+      const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(lo_sum[r], hi_sum[r]), _mm512_set1_epi32(12 * a.sum[i]));
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(half, _mm512_set1_ps(a.scale[i])), _mm512_cvtepi32_ps(dot), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) store_tile(acc[r], out + r * out_stride, count);
+}
+
 template <typename TileFn>
 void for_each_tile(int64_t rows, int64_t tiles, int64_t n, int64_t k, TileFn&& tile_fn) {
   const int64_t macs = rows * tiles * kTile * k;
@@ -269,6 +313,15 @@ at::Tensor int8_dot_matmul(const at::Tensor& x, const at::Tensor& packed, const 
   });
 }
 
+at::Tensor mxfp4_dot_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const int64_t tile_bytes = packed.size(1) * kMxfp4Record;
+  return dot_matmul(x, packed, kMxfp4Record, out_features, [&](auto rows, const QuantizedRows& a, int64_t t, int64_t r,
+                                                               auto* out, int64_t count) {
+    mxfp4_tile<decltype(rows)::value>(w + t * tile_bytes, a, r, out, out_features, count);
+  });
+}
+
 #else  // not x86-64: no VNNI; the ops exist (the library builds everywhere) and refuse, as on an x86 CPU without it
 
 bool supported() { return false; }
@@ -278,6 +331,10 @@ at::Tensor int4_dot_matmul(const at::Tensor&, const at::Tensor&, int64_t) {
 }
 
 at::Tensor int8_dot_matmul(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
+  TORCH_CHECK(false, "this CPU has no AVX-512 VNNI");
+}
+
+at::Tensor mxfp4_dot_matmul(const at::Tensor&, const at::Tensor&, int64_t) {
   TORCH_CHECK(false, "this CPU has no AVX-512 VNNI");
 }
 
@@ -291,9 +348,11 @@ TORCH_LIBRARY_FRAGMENT(emberserve, m) {
   m.def("int8_dot_supported() -> bool", &int8_dot_supported);
   m.def("int4_dot_matmul(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def("int8_dot_matmul(Tensor x, Tensor packed, Tensor row_scale, int out_features) -> Tensor");
+  m.def("mxfp4_dot_matmul(Tensor x, Tensor packed, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(emberserve, CPU, m) {
   m.impl("int4_dot_matmul", &int4_dot_matmul);
   m.impl("int8_dot_matmul", &int8_dot_matmul);
+  m.impl("mxfp4_dot_matmul", &mxfp4_dot_matmul);
 }

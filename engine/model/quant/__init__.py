@@ -1,7 +1,9 @@
 """Weight-only quantization by module swap: int8 per-channel and int4 group-wise linears, an int8 embedding.
 
 The formats and the CPU modules are in `formats`; `dot` has the integer-dot-product forms (AVX-512 VNNI CPUs) and
-`cuda` tinygemm's int4. `quantized_linear` picks among them for a device and dtype.
+`cuda` tinygemm's int4. `quantized_linear` picks among them for a device and dtype. `mxfp4` is the MXFP4 format
+(gpt-oss's experts, GGUF's MXFP4) and `experts` the expert stacks of mixture-of-experts layers on CPU, which
+`experts.expert_stack` picks as `quantized_linear` picks a linear.
 """
 # No `from __future__ import annotations`: TorchScript reads the linears' annotations as types.
 import torch
