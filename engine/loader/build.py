@@ -13,6 +13,7 @@ from torch import nn
 from engine.config import EncoderConfig, ModelConfig
 from engine.errors import ModelFormatError
 from engine.cache.kv_cache import kv_bytes_per_token
+from engine.loader.experts import place_experts
 from engine.model import BertEncoder, DecoderModel, build_model
 from engine.model.bert import bert_state_dict
 from engine.parallel.layers import parallelize
@@ -119,7 +120,9 @@ def _quantize_modules(model: DecoderModel, state: dict[str, Any], quant: str, dt
     mode they become int8 rather than losing precision; True (a float checkpoint): `quant` applies to all.
     """
     tied_embedding = state["lm_head.weight"] is state["embed_tokens.weight"]
-    linears = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    # A mixture of experts' router (and shared-expert gate) stays in float: its top-k choice flips on small errors.
+    linears = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)
+               and not name.endswith(("mlp.router", "mlp.shared_expert_gate"))]
     for done, name in enumerate(linears, 1):
         progress(f"packing {quant} weights", done, len(linears))
         weight, bias = state.pop(f"{name}.weight"), state.pop(f"{name}.bias", None)
@@ -154,6 +157,8 @@ def _materialise(cfg: ModelConfig, state: dict[str, Any], device: torch.device, 
     if shard is not None:  # this rank's share of every tensor, in modules of its shapes (engine/parallel/)
         shard_state(state, cfg, shard)
         resize_modules(model, cfg, shard)
+    if cfg.moe is not None:
+        place_experts(model, state, quant, dtype, device, requantize_floats)
     if quant != "none":
         _quantize_modules(model, state, quant, dtype, requantize_floats, progress, dense_prefill, device)
     converted: dict[str, torch.Tensor] = {}
@@ -165,7 +170,8 @@ def _materialise(cfg: ModelConfig, state: dict[str, Any], device: torch.device, 
         converted[name] = tensor.to(device=device, dtype=target)
     if cfg.tie_embeddings and quant == "none":
         converted["lm_head.weight"] = converted["embed_tokens.weight"]
-    model.load_state_dict(converted, assign=True, strict=quant == "none")
+    # (quantized modules and placed experts hold buffers of other names: checked by `left` below instead)
+    model.load_state_dict(converted, assign=True, strict=quant == "none" and cfg.moe is None)
     model.refresh()
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta and n in expected]
     if left:

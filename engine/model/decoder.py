@@ -21,7 +21,6 @@ from engine.model.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.cache.kv_cache import PagedKVCache
 from engine.kernels.fused import add_rms_norm
-from engine.model.moe import ExpertStack
 from engine.model.layers import (CPU_PAGED_DECODE, DecoderStack, Linear, RMSNorm, RopeTables, rope_inv_freq,
     rope_lookup, rope_table)
 
@@ -47,9 +46,9 @@ class DecoderModel(nn.Module):
         self.__dict__["_scripted"] = None
 
     def refresh(self) -> None:
-        """Recompute what derives from loaded weights (the norms' bfloat16 CPU tables, empty expert biases)."""
+        """Recompute what derives from loaded weights (the norms' bfloat16 CPU tables)."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, ExpertStack)):
+            if isinstance(module, RMSNorm):
                 module.refresh()
 
     def set_rope(self, inv_freq: torch.Tensor, local_inv_freq: torch.Tensor | None, positions: int,

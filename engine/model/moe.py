@@ -8,7 +8,7 @@ device, static shapes: capturable in CUDA graphs). Expert weights are `ExpertSta
 forms (engine/model/quant), which share its `matmul(x, expert, deterministic)`.
 """
 # No `from __future__ import annotations`: TorchScript compiles this module as part of the decoder stack.
-from typing import List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,10 @@ from torch import Tensor, nn
 from engine.config import ModelConfig, MoEConfig
 from engine.kernels.fused import gated_activation
 from engine.model.layers import GatedMLP, Linear, tiled_matmul
+from engine.model.quant.experts import ExpertStack
+
+if TYPE_CHECKING:
+    from engine.kernels.moe import ExpertWeights
 
 
 
@@ -53,33 +57,60 @@ def expert_activation(gate_up: Tensor, clamp: bool, alpha: float, limit: float) 
     return gate * torch.sigmoid(gate * alpha) * (up + 1)
 
 
-class ExpertStack(nn.Module):
-    """One projection of every expert in float: weight [E, out, in], optional bias [E, out]."""
+class CheckpointExperts(ExpertStack):
+    """One projection of every expert as a checkpoint has it, in float: weight [E, out, in], optional bias [E, out].
+    The model is built with these (parameters the loader's state dict fills); the loader then puts the stack that
+    serves in their place (`place_experts`): a quantized CPU form (engine/model/quant/experts.py) or, on CUDA,
+    `KernelExperts`."""
 
     def __init__(self, experts: int, out_features: int, in_features: int, bias: bool) -> None:
         super().__init__()
         self.num_experts, self.out_features, self.in_features = experts, out_features, in_features
         self.weight = nn.Parameter(torch.empty(experts, out_features, in_features), requires_grad=False)
-        self.has_bias = bias
         if bias:
             self.bias = nn.Parameter(torch.empty(experts, out_features), requires_grad=False)
-        else:  # TorchScript takes no Optional attribute here: an empty tensor, never read nor saved
-            self.register_buffer("bias", torch.empty(0), persistent=False)
+        else:
+            self.register_buffer("bias", None)
 
-    def refresh(self) -> None:
-        """Place what is not a loaded weight beside the weights (the model is built on the meta device)."""
-        if not self.has_bias:
-            self.bias = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
-
-    def matmul(self, x: Tensor, expert: int, deterministic: bool) -> Tensor:
-        """x [M, in] @ weight[expert]^T (+ bias[expert]) → [M, out]."""
-        bias: Optional[Tensor] = self.bias[expert] if self.has_bias else None
+    def expert_matmul(self, x: Tensor, expert: int, deterministic: bool) -> Tensor:
         if deterministic and x.is_cpu:  # a row's sums must not depend on how many rows the expert got
-            return tiled_matmul(x, self.weight[expert], bias)
-        return F.linear(x, self.weight[expert], bias)
+            return tiled_matmul(x, self.weight[expert])
+        return F.linear(x, self.weight[expert])
 
     def dequantize_expert(self, expert: int) -> Tensor:
-        return self.weight[expert]
+        return self.weight[expert].float()
+
+
+class KernelExperts(ExpertStack):
+    """A stack in the fused MoE kernel's formats (engine/kernels/moe.py `ExpertWeights`: dense, MXFP4 or int4),
+    on the GPU; `matmul` (the eager reference) dequantizes an expert."""
+
+    def __init__(self, weights: "ExpertWeights", bias: Optional[Tensor], dtype: torch.dtype) -> None:
+        super().__init__()
+        e, out_f, in_f = weights.shape
+        self._init_stack(e, out_f, in_f, bias, dtype)
+        self.format = weights.format
+        self.register_buffer("data", weights.data)
+        self.register_buffer("scales", weights.scales)
+        self.register_buffer("offsets", weights.offsets)
+
+    @torch.jit.unused
+    def kernel_weights(self) -> "ExpertWeights":
+        from engine.kernels.moe import ExpertWeights
+
+        return ExpertWeights(self.format, self.data, self.scales, self.offsets)
+
+    @torch.jit.unused
+    def expert_matmul(self, x: Tensor, expert: int, deterministic: bool) -> Tensor:
+        from engine.kernels.moe import expert_matrix
+
+        return F.linear(x, expert_matrix(self.kernel_weights(), expert, x.dtype))
+
+    @torch.jit.unused
+    def dequantize_expert(self, expert: int) -> Tensor:
+        from engine.kernels.moe import expert_matrix
+
+        return expert_matrix(self.kernel_weights(), expert, torch.float32)
 
 
 @torch.jit.unused
@@ -87,7 +118,16 @@ def _fused_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up: nn.Module, 
                    alpha: float, limit: float) -> Tensor:
     from engine.kernels.moe import fused_experts
 
-    return fused_experts(x, ids, weights, gate_up, down, "swiglu_clamp" if clamp else "silu", alpha, limit)
+    return fused_experts(x, ids, weights, _kernel_weights(gate_up), _kernel_weights(down), gate_up.bias, down.bias,
+                         "swiglu_clamp" if clamp else "silu", alpha, limit)
+
+
+def _kernel_weights(stack: nn.Module) -> Any:
+    if isinstance(stack, KernelExperts):
+        return stack.kernel_weights()
+    if isinstance(stack, CheckpointExperts):
+        return stack.weight
+    raise TypeError(f"{type(stack).__name__} experts do not run on a GPU (the loader places KernelExperts there)")
 
 
 class MoEExperts(nn.Module):
@@ -95,8 +135,9 @@ class MoEExperts(nn.Module):
 
     def __init__(self, moe: MoEConfig, hidden: int) -> None:
         super().__init__()
-        self.gate_up = ExpertStack(moe.num_experts, 2 * moe.expert_intermediate, hidden, moe.expert_bias)
-        self.down = ExpertStack(moe.num_experts, hidden, moe.expert_intermediate, moe.expert_bias)
+        self.gate_up: ExpertStack = CheckpointExperts(moe.num_experts, 2 * moe.expert_intermediate, hidden,
+                                                      moe.expert_bias)
+        self.down: ExpertStack = CheckpointExperts(moe.num_experts, hidden, moe.expert_intermediate, moe.expert_bias)
         self.num_experts = moe.num_experts
         self.clamp = moe.activation == "swiglu_clamp"
         self.alpha, self.limit = float(moe.swiglu_alpha), float(moe.swiglu_limit)

@@ -20,7 +20,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.errors import UnsupportedModelError
 from engine.model.layers import Linear
-from engine.model.moe import ExpertStack, MoEMLP
+from engine.model.moe import CheckpointExperts, MoEMLP
 from engine.model.quant import GROUP_SIZE, Affine4Bit
 
 
@@ -207,7 +207,7 @@ def _resize_experts(mlp: MoEMLP, cfg: ModelConfig, shard: Shard) -> None:
     moe, hidden = cfg.moe, cfg.hidden_size
     assert moe is not None
     part = moe.expert_intermediate // shard.size
-    mlp.experts.gate_up = ExpertStack(moe.num_experts, 2 * part, hidden, moe.expert_bias)
-    mlp.experts.down = ExpertStack(moe.num_experts, hidden, part, moe.expert_bias)
+    mlp.experts.gate_up = CheckpointExperts(moe.num_experts, 2 * part, hidden, moe.expert_bias)
+    mlp.experts.down = CheckpointExperts(moe.num_experts, hidden, part, moe.expert_bias)
     if moe.shared_intermediate:
         _resize_gated(mlp.shared_expert, hidden, moe.shared_intermediate // shard.size)

@@ -77,14 +77,14 @@ def per_token_reference(mlp: MoEMLP, x: torch.Tensor) -> torch.Tensor:
     for t in range(x.shape[0]):
         for w, e in zip(weights[t].double(), ids[t].tolist()):
             h = F.linear(x[t].double(), ex.gate_up.weight[e].double(),
-                         ex.gate_up.bias[e].double() if ex.gate_up.has_bias else None)
+                         ex.gate_up.bias[e].double() if ex.gate_up.bias is not None else None)
             gate, up = h.chunk(2)
             if ex.clamp:
                 gate, up = gate.clamp(max=ex.limit), up.clamp(-ex.limit, ex.limit)
                 act = gate * torch.sigmoid(ex.alpha * gate) * (up + 1)
             else:
                 act = F.silu(gate) * up
-            y = F.linear(act, ex.down.weight[e].double(), ex.down.bias[e].double() if ex.down.has_bias else None)
+            y = F.linear(act, ex.down.weight[e].double(), ex.down.bias[e].double() if ex.down.bias is not None else None)
             out[t] += w * y
     if mlp.has_shared:
         shared = mlp.shared_expert
