@@ -28,7 +28,8 @@ GEMMA3_LOCAL_ROPE_THETA = 10_000.0
 
 @dataclass(frozen=True)
 class RopeConfig:
-    """Rotary embedding of one attention kind: base, and an optional scaling (`llama3` or `linear`)."""
+    """Rotary embedding of one attention kind: base, and an optional scaling (`llama3`, `linear` or `yarn`, with
+    transformers' keys)."""
 
     theta: float
     scaling: dict[str, Any] | None = None
@@ -184,6 +185,45 @@ def config_from_gguf(meta: dict[str, Any], has_output_tensor: bool) -> ModelConf
         family=arch, **common, rope=RopeConfig(float(get("rope.freq_base", 10_000.0)), scaling),
         attention_bias=arch == "qwen2", qk_norm=arch == "qwen3",
     )
+
+
+# llama.cpp's names of the yarn settings, under `{arch}.rope.scaling.`, and transformers' names for them.
+_GGUF_YARN_KEYS = {"yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow",
+                   "yarn_log_multiplier": "mscale_all_dim"}
+# Families whose yarn ramp is not rounded to whole dimensions (transformers' `truncate`: False in their config.json);
+# GGUF has no key for it (llama.cpp always rounds).
+_YARN_UNTRUNCATED = ("gpt-oss", "gpt_oss")
+
+
+def gguf_rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
+    """The `RopeConfig.scaling` of a GGUF's `{arch}.rope.scaling.*` metadata (llama.cpp's keys): linear or yarn
+    (factor, original_context_length, the optional yarn_beta_fast / yarn_beta_slow, llama.cpp's defaults 32 and 1,
+    yarn_log_multiplier as mscale_all_dim, attn_factor multiplying the attention factor); None for no scaling."""
+    def get(key: str) -> Any:
+        return meta.get(f"{arch}.rope.scaling.{key}")
+
+    kind, factor = get("type"), get("factor")
+    if kind == "linear" and factor:
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind != "yarn" or not factor:
+        return None
+    if get("original_context_length") is None:
+        raise UnsupportedModelError(f"{arch}: yarn rope scaling without rope.scaling.original_context_length")
+    scaling: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor), "beta_fast": 32.0, "beta_slow": 1.0,
+                               "original_max_position_embeddings": int(get("original_context_length"))}
+    for key, name in _GGUF_YARN_KEYS.items():
+        if get(key) is not None:
+            scaling[name] = float(get(key))
+    if "mscale_all_dim" in scaling:
+        scaling["mscale"] = 1.0  # llama.cpp's reading of yarn_log_multiplier
+    extra = float(get("attn_factor") or 1.0)  # llama.cpp multiplies yarn's attention factor by it
+    if extra != 1.0:
+        def mscale(m: float) -> float:
+            return 1.0 if scaling["factor"] <= 1 else 0.1 * m * math.log(scaling["factor"]) + 1.0
+        scaling["attention_factor"] = extra * mscale(1.0) / mscale(scaling.get("mscale_all_dim", 1.0))
+    if arch in _YARN_UNTRUNCATED:
+        scaling["truncate"] = False
+    return scaling
 
 
 def _hf_rope(cfg: dict[str, Any], kind: str | None, default_theta: float) -> RopeConfig:

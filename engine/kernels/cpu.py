@@ -120,10 +120,10 @@ def _define_fallbacks() -> None:
                "Tensor slots, Tensor? q_norm_weight, Tensor? k_norm_weight, float eps, Tensor(c!)? k_out) -> Tensor")
     lib.define("gated_activation(Tensor gate_up, bool gelu) -> Tensor")
     lib.define("paged_decode_attention(Tensor q, Tensor keys, Tensor values, Tensor block_tables, Tensor seq_lens, "
-               "int block_size, float scale, int window) -> Tensor")
+               "int block_size, float scale, int window, Tensor? sinks=None) -> Tensor")
     lib.define("paged_prefill_attention(Tensor q, Tensor keys, Tensor values, Tensor block_tables, Tensor seq_lens, "
-               "Tensor query_lens, Tensor query_starts, int block_size, float scale, int window, Tensor(a!) out) "
-               "-> Tensor(a!)")
+               "Tensor query_lens, Tensor query_starts, int block_size, float scale, int window, Tensor(a!) out, "
+               "Tensor? sinks=None) -> Tensor(a!)")
 
     def norm_weight(w: torch.Tensor, d: int) -> torch.Tensor:
         return w.reshape(-1)[:d]
@@ -137,10 +137,10 @@ def _define_fallbacks() -> None:
     lib.impl("gated_activation", ref.gated_activation, "CPU")
     from engine.kernels import paged_attention_torch
 
-    lib.impl("paged_decode_attention", lambda q, k, v, t, n, bs, scale, window: paged_attention_torch.decode(
-        q, k, v, t, n, bs, scale, window), "CPU")
-    lib.impl("paged_prefill_attention", lambda q, k, v, t, n, ql, qs, bs, scale, window, out: (
-        paged_attention_torch.prefill(q, k, v, t, n, ql, qs, bs, scale, window, out), out)[1], "CPU")
+    lib.impl("paged_decode_attention", lambda q, k, v, t, n, bs, scale, window, sinks=None: (
+        paged_attention_torch.decode(q, k, v, t, n, bs, scale, window, sinks)), "CPU")
+    lib.impl("paged_prefill_attention", lambda q, k, v, t, n, ql, qs, bs, scale, window, out, sinks=None: (
+        paged_attention_torch.prefill(q, k, v, t, n, ql, qs, bs, scale, window, out, sinks), out)[1], "CPU")
     _state["fallback_library"] = lib  # the registrations live as long as the Library object
 
 

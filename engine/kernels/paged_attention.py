@@ -31,6 +31,10 @@ Keys and values are loaded BLOCK_N tokens at a time (at most 16 KB a tile: 64 to
 pipeline stages of both fit in shared memory. The segment count aims at two programs per SM (at most 32 parts,
 never more than the table has tiles), its scratch [B, H, segments, head_dim] float32.
 
+Attention sinks (gpt-oss: a logit per query head that joins its every softmax, with no value) start each query's
+online softmax at (max = the sink, sum = 1); split decode rows add them once, in the reduction. Without sinks the
+kernels are compiled as they would be without the feature (HAS_SINKS is a constexpr).
+
 Both take tensors on the device and read lengths there: no host synchronisation. Scratch buffers are allocated
 per call (inside a CUDA-graph capture they come from the graph's pool). Without Triton (or for CPU tensors outside
 TRITON_INTERPRET=1) the same calls run `engine.kernels.paged_attention_torch`'s batched torch fallback.
@@ -134,42 +138,55 @@ DECODE_WARPS = 4
 
 
 def decode_config(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, segments: int,
-                  windowed: bool) -> tuple[dict[str, object], dict[str, object]]:
+                  windowed: bool, sinks: bool = False) -> tuple[dict[str, object], dict[str, object]]:
     """The constexprs of the decode kernel and of its reduction for these shapes (sm_90, bf16, 4 warps: 72, 120
     and 125 registers a thread at head_dim 64, 128 and 256, no spills, the key loop software-pipelined)."""
     group = heads // kv_heads
     common = dict(HEAD_DIM=head_dim, D_PAD=_next_pow2(head_dim),
                   BLOCK_N=_keys_per_tile(head_dim, torch.empty((), dtype=dtype).element_size()),
-                  NUM_SEGMENTS=segments, WINDOWED=windowed)
+                  NUM_SEGMENTS=segments, WINDOWED=windowed, HAS_SINKS=sinks)
     return (dict(common, GROUP=group, G_PAD=max(16, _next_pow2(group)), BLOCK_SIZE=block_size, **_dot_options(dtype)),
             dict(common, SEG_PAD=max(2, _next_pow2(segments))))
+
+
+def _check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    """The sinks as the kernels read them: float32 [H], contiguous, on q's device."""
+    if sinks is None:
+        return None
+    if sinks.shape != (q.shape[-2],):
+        raise ValueError(f"sinks must be [{q.shape[-2]}], one per query head, got {tuple(sinks.shape)}")
+    return sinks.to(device=q.device, dtype=torch.float32).contiguous()
 
 
 def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, block_size: int, scale: float, window: int = 0,
                            out: torch.Tensor | None = None, *, segments: int | None = None,
-                           backend: str = "auto") -> torch.Tensor:
+                           backend: str = "auto", sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new query per row, q [B, H, D], over each row's cached keys 0..seq_len-1 → [B, H, D].
 
     `block_tables` [B, W] int32 lists each row's blocks in order (entries past its length: any valid block id);
     `seq_lens` [B] int32 (0: a padding row, output zeros); `window` > 0 keeps only the last `window` keys;
     `out` a [B, H, D] buffer of q's dtype to write into; `segments` overrides the split of the key range
-    (see the module docstring); `backend` "auto", "triton" or "torch" (the fallback).
+    (see the module docstring); `backend` "auto", "triton" or "torch" (the fallback); `sinks` [H]: the heads'
+    attention sinks (float32 logits; None: none).
     """
     _check_cache(q, keys, values, block_tables, block_size)
+    sinks = _check_sinks(sinks, q)
     b, h, d = q.shape
     kvh = keys.shape[0]
     out = torch.empty_like(q) if out is None else out
     if b == 0:
         return out
     if not _use_triton(backend, q.device):
-        out.copy_(paged_attention_torch.decode(q, keys, values, block_tables, seq_lens, block_size, scale, window))
+        out.copy_(paged_attention_torch.decode(q, keys, values, block_tables, seq_lens, block_size, scale, window,
+                                               sinks))
         return out
     q = q if q.stride(-1) == 1 else q.contiguous()
     if segments is None:
         segments = decode_segments(b, kvh, block_tables.shape[1] * block_size,
                                    _keys_per_tile(d, keys.element_size()), _sm_count(q.device))
-    kernel, reduce = decode_config(h, kvh, d, block_size, keys.dtype, segments, window > 0)
+    kernel, reduce = decode_config(h, kvh, d, block_size, keys.dtype, segments, window > 0, sinks is not None)
+    sinks_arg = q if sinks is None else sinks  # any pointer when there are none: never read
     direct = out.stride(-1) == 1
     target = out if direct else torch.empty_like(q)
     if segments > 1:
@@ -178,13 +195,13 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     else:
         part_acc = part_ml = target  # unused
     _kernels.paged_decode_kernel[(b, kvh, segments)](
-        q, keys, values, block_tables, seq_lens, target, part_acc, part_ml,
+        q, keys, values, block_tables, seq_lens, target, part_acc, part_ml, sinks_arg,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
         block_tables.stride(0), target.stride(0), target.stride(1), window, scale * _LOG2E,
         num_warps=DECODE_WARPS, **kernel)
     if segments > 1:
         _kernels.paged_decode_reduce_kernel[(b, h)](
-            seq_lens, part_acc, part_ml, target, target.stride(0), target.stride(1), window,
+            seq_lens, part_acc, part_ml, sinks_arg, target, target.stride(0), target.stride(1), window,
             num_warps=DECODE_WARPS, **reduce)
     if not direct:
         out.copy_(target)
@@ -192,7 +209,7 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
 
 
 def prefill_config(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                   windowed: bool) -> tuple[dict[str, object], int]:
+                   windowed: bool, sinks: bool = False) -> tuple[dict[str, object], int]:
     """The prefill kernel's constexprs and warps: BLOCK_M = BLOCK_Q tokens x GROUP heads (64 rows at least), 8 warps
     from head_dim 128 (sm_90, bf16: 186 registers a thread at 4 warps, 132 at 8; at 256, 171 with 8, spills with 4)."""
     group = heads // kv_heads
@@ -201,22 +218,24 @@ def prefill_config(heads: int, kv_heads: int, head_dim: int, block_size: int, dt
     return (dict(HEAD_DIM=head_dim, D_PAD=_next_pow2(head_dim), GROUP=group, BLOCK_M=block_m,
                  BLOCK_Q=block_m // group, BLOCK_SIZE=block_size,
                  BLOCK_N=_keys_per_tile(head_dim, torch.empty((), dtype=dtype).element_size()), WINDOWED=windowed,
-                 **_dot_options(dtype)), warps)
+                 HAS_SINKS=sinks, **_dot_options(dtype)), warps)
 
 
 def paged_prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tables: torch.Tensor,
                             seq_lens: torch.Tensor, query_lens: torch.Tensor, query_starts: torch.Tensor,
                             block_size: int, scale: float, window: int = 0, out: torch.Tensor | None = None, *,
-                            max_query_len: int | None = None, backend: str = "auto") -> torch.Tensor:
+                            max_query_len: int | None = None, backend: str = "auto",
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed query chunks, q [T, H, D], over the cached keys of their rows → [T, H, D].
 
     Row r's queries are q[query_starts[r] : query_starts[r] + query_lens[r]] at positions seq_lens[r] -
     query_lens[r] .. seq_lens[r] - 1; its keys (the chunk's own included, already written) are positions
     0..seq_lens[r] - 1 through `block_tables[r]`. A query at position p sees keys 0..p (with `window` > 0 only
     those > p - window). Tokens of q that no row claims are left as they are in `out`. `max_query_len` (a host
-    int) bounds the grid; by default T.
+    int) bounds the grid; by default T. `sinks` [H]: the heads' attention sinks (None: none).
     """
     _check_cache(q, keys, values, block_tables, block_size)
+    sinks = _check_sinks(sinks, q)
     t, h, d = q.shape
     kvh = keys.shape[0]
     out = torch.empty_like(q) if out is None else out
@@ -225,15 +244,15 @@ def paged_prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.T
         return out
     if not _use_triton(backend, q.device):
         paged_attention_torch.prefill(q, keys, values, block_tables, seq_lens, query_lens, query_starts,
-                                      block_size, scale, window, out)
+                                      block_size, scale, window, out, sinks)
         return out
     q = q if q.stride(-1) == 1 else q.contiguous()
-    kernel, warps = prefill_config(h, kvh, d, block_size, keys.dtype, window > 0)
+    kernel, warps = prefill_config(h, kvh, d, block_size, keys.dtype, window > 0, sinks is not None)
     direct = out.stride(-1) == 1
     target = out if direct else out.contiguous()
     tiles = math.ceil(min(max_query_len or t, t) / kernel["BLOCK_Q"])
     _kernels.paged_prefill_kernel[(rows, tiles, kvh)](
-        q, keys, values, block_tables, seq_lens, query_lens, query_starts, target,
+        q, keys, values, block_tables, seq_lens, query_lens, query_starts, target, q if sinks is None else sinks,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
         block_tables.stride(0), target.stride(0), target.stride(1), window, scale * _LOG2E,
         num_warps=warps, **kernel)

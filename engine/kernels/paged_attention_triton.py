@@ -3,12 +3,15 @@
 Every kernel reads keys and values where they lie in the paged pool: token position p of a row is cache slot
 `table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE` of its KV head, loaded tile by tile in the cache's own dtype,
 with scores, softmax and the output accumulated in float32 (online softmax, base 2: the scale carries log2(e)).
-Cache offsets are int64: a layer's pool passes 2**31 elements on a large GPU.
+Cache offsets are int64: a layer's pool passes 2**31 elements on a large GPU. With HAS_SINKS, a query head's
+attention sink (a float32 logit, natural units) starts its online softmax: max = the sink in log2 units, sum = 1.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -77,16 +80,17 @@ def _decode_segment(seq_len, segment, window, NUM_SEGMENTS: tl.constexpr, BLOCK_
 # fixed width (engine/model/batch.py), so the variants it needs are compiled at start-up (Runner.capture_cuda_graphs) and
 # none while serving.
 @triton.jit
-def paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+def paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr, sinks_ptr,
                         stride_qb, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, stride_tb,
                         stride_ob, stride_oh, window, qk_scale,
                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
                         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
-                        WINDOWED: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+                        WINDOWED: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+                        HAS_SINKS: tl.constexpr):
     """Program (row, KV head, segment): the GROUP query heads of one KV head against one segment of the row's keys.
 
     One segment: the normalised output straight into `out`. Several: the segment's unnormalised accumulator and
-    its (max, sum) into the partial buffers, for `paged_decode_reduce_kernel`."""
+    its (max, sum) into the partial buffers, for `paged_decode_reduce_kernel` (which adds the sinks then)."""
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
@@ -104,6 +108,9 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr, 
     acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
+    if HAS_SINKS and NUM_SEGMENTS == 1:  # the sink is the first "key": max = its logit, sum = exp(0)
+        m_i = tl.load(sinks_ptr + heads, mask=g_ok, other=0.0) * LOG2E
+        l_i = tl.full([G_PAD], 1.0, dtype=tl.float32)
     kv_off = kv_head.to(tl.int64)
     acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, q_pos, g_ok, lo, hi, tables_ptr + row * stride_tb,
                                   k_ptr + kv_off * stride_kh, v_ptr + kv_off * stride_vh, stride_ks, stride_vs,
@@ -122,10 +129,12 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr, 
 
 
 @triton.jit
-def paged_decode_reduce_kernel(seq_lens_ptr, part_acc_ptr, part_ml_ptr, out_ptr, stride_ob, stride_oh, window,
-                               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
-                               SEG_PAD: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr):
-    """Program (row, query head): merge the non-empty segments' partials into the output (zeros for none)."""
+def paged_decode_reduce_kernel(seq_lens_ptr, part_acc_ptr, part_ml_ptr, sinks_ptr, out_ptr, stride_ob, stride_oh,
+                               window, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+                               SEG_PAD: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr,
+                               HAS_SINKS: tl.constexpr):
+    """Program (row, query head): merge the non-empty segments' partials (and the head's sink) into the output
+    (zeros for none)."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + row)
@@ -137,20 +146,26 @@ def paged_decode_reduce_kernel(seq_lens_ptr, part_acc_ptr, part_ml_ptr, out_ptr,
     m = tl.load(part_ml_ptr + slot * 2, mask=s_ok, other=float("-inf"))
     l = tl.load(part_ml_ptr + slot * 2 + 1, mask=s_ok, other=0.0)
     top = tl.max(m, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head) * LOG2E
+        top = tl.maximum(top, sink)
     weight = tl.where(s_ok, tl.exp2(m - tl.where(top == float("-inf"), 0.0, top)), 0.0)
     acc = tl.load(part_acc_ptr + slot[:, None] * D_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
     total = tl.sum(weight * l, 0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - top)
     out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + row * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 @triton.jit
 def paged_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, query_lens_ptr, query_starts_ptr, out_ptr,
-                         stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, stride_tb,
+                         sinks_ptr, stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, stride_tb,
                          stride_ot, stride_oh, window, qk_scale,
                          HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_Q: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                         WINDOWED: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+                         WINDOWED: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+                         HAS_SINKS: tl.constexpr):
     """Program (row, query tile, KV head): BLOCK_Q query tokens of a row times the GROUP heads of one KV head, as
     BLOCK_M = BLOCK_Q * GROUP (padded) rows of one matrix, against the row's keys up to the tile's last position."""
     row = tl.program_id(0)
@@ -179,6 +194,9 @@ def paged_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, query_le
         acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if HAS_SINKS:  # the sink is the first "key": max = its logit, sum = exp(0)
+            m_i = tl.load(sinks_ptr + heads) * LOG2E
+            l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
         kv_off = kv_head.to(tl.int64)
         acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, q_pos, row_ok, kv_lo, kv_hi, tables_ptr + row * stride_tb,
                                       k_ptr + kv_off * stride_kh, v_ptr + kv_off * stride_vh, stride_ks, stride_vs,

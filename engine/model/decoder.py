@@ -21,8 +21,8 @@ from engine.model.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.cache.kv_cache import PagedKVCache
 from engine.kernels.fused import add_rms_norm
-from engine.model.layers import (CPU_PAGED_DECODE, DecoderStack, Linear, RMSNorm, RopeTables, rope_inv_freq,
-    rope_lookup, rope_table)
+from engine.model.layers import (CPU_PAGED_DECODE, DecoderStack, Linear, RMSNorm, RopeTables,
+    rope_attention_factor, rope_inv_freq, rope_lookup, rope_table)
 
 log = logging.getLogger("emberserve.engine")
 
@@ -53,7 +53,8 @@ class DecoderModel(nn.Module):
 
     def set_rope(self, inv_freq: torch.Tensor, local_inv_freq: torch.Tensor | None, positions: int,
                  dtype: torch.dtype) -> None:
-        """Build the rope tables of positions 0 .. `positions` - 1 in `dtype`, on `inv_freq`'s device.
+        """Build the rope tables of positions 0 .. `positions` - 1 in `dtype`, on `inv_freq`'s device (cos and sin
+        times the config's rope attention factor: yarn's).
 
         Every step reads its positions' rows of the same tables: a token's rotation does not depend on when it
         is computed. (Computed per step, torch's CPU cos gave a few entries one unit different in a process's
@@ -61,8 +62,9 @@ class DecoderModel(nn.Module):
         every = torch.arange(positions, device=inv_freq.device)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("local_inv_freq", local_inv_freq, persistent=False)
-        for prefix, inv in (("", inv_freq), ("local_", local_inv_freq)):
-            cos, sin = rope_table(inv, every, dtype) if inv is not None else (None, None)
+        factors = (rope_attention_factor(self.cfg.rope), rope_attention_factor(self.cfg.local_rope))
+        for prefix, inv, factor in (("", inv_freq, factors[0]), ("local_", local_inv_freq, factors[1])):
+            cos, sin = rope_table(inv, every, dtype, factor) if inv is not None else (None, None)
             self.register_buffer(f"{prefix}rope_cos", cos, persistent=False)
             self.register_buffer(f"{prefix}rope_sin", sin, persistent=False)
 

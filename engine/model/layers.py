@@ -102,13 +102,15 @@ class Linear(nn.Linear):
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int, freq_factors: Optional[Tensor] = None) -> Tensor:
-    """Inverse frequencies [head_dim / 2] in float32, with llama3 or linear scaling applied."""
+    """Inverse frequencies [head_dim / 2] in float32, with llama3, linear or yarn scaling applied."""
     inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if freq_factors is not None:  # llama.cpp stores llama3 scaling as per-frequency divisors
         return inv / freq_factors.float()
     s = rope.scaling
     if not s:
         return inv
+    if s["rope_type"] == "yarn":
+        return yarn_inv_freq(rope.theta, head_dim, s)
     factor = float(s["factor"])
     if s["rope_type"] == "linear":
         return inv / factor
@@ -122,15 +124,62 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int, freq_factors: Optional[Tensor
     return torch.where(medium, smoothed, scaled)
 
 
+def yarn_inv_freq(theta: float, head_dim: int, s: dict) -> Tensor:
+    """YaRN's inverse frequencies (arXiv 2309.00071), as transformers' `_compute_yarn_parameters` computes them:
+    the fast-rotating dimensions kept (extrapolated), the slow ones divided by `factor` (interpolated), a linear
+    ramp between the dimensions that turn `beta_fast` and `beta_slow` times over the original context; `truncate`
+    (default True) rounds the ramp's ends to whole dimensions."""
+    factor, old_ctx = float(s["factor"]), float(s["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
+
+    def dimension(rotations: float) -> float:  # the dimension that turns `rotations` times over the old context
+        return head_dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension(beta_fast), dimension(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    extrapolated = 1 - ramp  # the share of each dimension's frequency kept as it is
+    return 1.0 / (factor * pos_freqs) * (1 - extrapolated) + 1.0 / pos_freqs * extrapolated
+
+
+def rope_attention_factor(rope: Optional[RopeConfig]) -> float:
+    """What cos and sin are multiplied by: YaRN's attention factor (`attention_factor`, else from `factor` and the
+    optional `mscale` / `mscale_all_dim`, as transformers computes it), 1 for every other rope."""
+    s = rope.scaling if rope is not None else None
+    if not s or s["rope_type"] != "yarn":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    factor = float(s["factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+    if m and m_all:
+        return float(mscale(factor, float(m)) / mscale(factor, float(m_all)))
+    return mscale(factor)
+
+
 def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos and sign-folded sin [N, 1, head_dim] of `positions` [N], the tables `apply_rope` takes."""
     return rope_lookup(*rope_table(inv_freq, positions, dtype), None)
 
 
-def rope_table(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos and sin [N, head_dim / 2] of `positions` [N] in `dtype`, from float32 angles."""
+def rope_table(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype,
+               factor: float = 1.0) -> tuple[Tensor, Tensor]:
+    """cos and sin [N, head_dim / 2] of `positions` [N] in `dtype`, from float32 angles, times `factor` (yarn's
+    attention factor, `rope_attention_factor`) in float32 before the rounding."""
     angles = positions.float().unsqueeze(-1) * inv_freq
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    cos, sin = angles.cos(), angles.sin()
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    return cos.to(dtype), sin.to(dtype)
 
 
 def rope_lookup(cos: Tensor, sin: Tensor, positions: Optional[Tensor]) -> tuple[Tensor, Tensor]:
@@ -150,9 +199,18 @@ class RopeTables(NamedTuple):
     local_sin: Tensor
 
 
+def with_sinks(scores: Tensor, sinks: Tensor) -> Tensor:
+    """Softmax of `scores` [..., L] (a row of -inf: all zeros) with each row's attention sink, a logit `sinks`
+    broadcast to [..., 1] that joins the softmax and has no value: softmax over [scores, sink], the sink dropped
+    (transformers' gpt-oss `eager_attention_forward`)."""
+    sink = sinks.to(scores.dtype).expand(list(scores.shape[:-1]) + [1])
+    return torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+
+
 def decode_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Optional[Tensor], num_kv_heads: int,
-                     scale: float) -> Tensor:
-    """One query per row: q [B, H, D], keys/values [B, kv_heads, L, D], mask [B, 1, 1, L] → [B, H, D].
+                     scale: float, sinks: Optional[Tensor] = None) -> Tensor:
+    """One query per row: q [B, H, D], keys/values [B, kv_heads, L, D], mask [B, 1, 1, L], sinks [H] float32
+    (None: no attention sinks) → [B, H, D].
 
     Plain batched matmuls with the query heads of a KV group stacked: torch's fused CPU attention is tuned for long
     queries and is many times slower than this for a single bfloat16 query (bench/RESULTS.md#issue-5-decode-profile).
@@ -167,14 +225,19 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Optional[Ten
     scores.mul_(scale)
     if mask is not None:
         scores.view(b, num_kv_heads, -1, scores.shape[-1]).masked_fill_(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # row b * kvh + j, query head i of its group: head j * g + i
+        probs = with_sinks(scores.view(b, num_kv_heads, h // num_kv_heads, -1),
+                           sinks.view(num_kv_heads, h // num_kv_heads, 1)).reshape(rows, h // num_kv_heads, -1)
     out = torch.bmm(probs, values.float().reshape(rows, -1, d))
     return out.view(b, h, d).to(q.dtype)
 
 
 def exact_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Optional[Tensor], num_kv_heads: int,
-                    scale: float) -> Tensor:
-    """q [B, T, H, D], keys/values [B, kv_heads, L, D], mask [B, 1, T, L] bool (None: all visible) → [B, T, H, D].
+                    scale: float, sinks: Optional[Tensor] = None) -> Tensor:
+    """q [B, T, H, D], keys/values [B, kv_heads, L, D], mask [B, 1, T, L] bool (None: all visible), sinks [H]
+    (None: no attention sinks) → [B, T, H, D].
 
     Float64 throughout, rounded to q's dtype at the end: products of bfloat16 (or float32) values are exact in
     float64, and the sums of a softmax or of its weighted values differ by a few float64 ulps between orders or
@@ -189,9 +252,45 @@ def exact_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Optional[Tens
     if mask is not None:
         view = scores.view(b, num_kv_heads, t, g, length)
         view.masked_fill_(~mask.reshape(b, 1, t, 1, length), float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # row t * g + i of KV head j: query head j * g + i
+        probs = with_sinks(scores.view(b, num_kv_heads, t, g, length),
+                           sinks.view(num_kv_heads, 1, g, 1)).reshape(b, num_kv_heads, t * g, length)
     out = torch.matmul(probs, values.double())  # [B, kvh, T * g, D]
     return out.view(b, num_kv_heads, t, g, d).permute(0, 2, 1, 3, 4).reshape(b, t, h, d).to(q.dtype)
+
+
+# Queries of a prefill row with attention sinks take the softmax a tile at a time: the scores of a whole chunk (a
+# 2,048-token chunk of 64 heads) would need gigabytes.
+SINK_QUERY_TILE = 256
+
+
+def sink_prefill_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Optional[Tensor], num_kv_heads: int,
+                           scale: float, sinks: Tensor, tile: int = SINK_QUERY_TILE) -> Tensor:
+    """Attention with sinks of one prefill row's queries q [T, H, D] over its keys/values [kv_heads, L, D], mask
+    [1, 1, T, L] bool (None: causal, L = T) → [T, H, D], in float32, `tile` queries at a time: the path of
+    `attend`'s rows that take torch's fused attention without sinks (which cannot add a sink to its softmax)."""
+    t, h, d = q.shape[0], q.shape[1], q.shape[2]
+    g = h // num_kv_heads
+    out = torch.empty_like(q)
+    k32, v32 = keys.float(), values.float()
+    head_sinks = sinks.view(num_kv_heads, 1, g, 1)
+    for start in range(0, t, tile):
+        n = min(tile, t - start)
+        length = k32.shape[1] if mask is not None else start + n  # causal: keys past the tile's last query unseen
+        qg = q[start:start + n].float().view(n, num_kv_heads, g, d).transpose(0, 1).reshape(num_kv_heads, n * g, d)
+        scores = torch.bmm(qg, k32[:, :length].transpose(1, 2)).mul_(scale).view(num_kv_heads, n, g, length)
+        if mask is not None:
+            visible = mask[0, 0, start:start + n]
+        else:
+            pos = torch.arange(length, device=q.device)
+            visible = pos.unsqueeze(0) <= (pos[start:start + n]).unsqueeze(1)
+        scores.masked_fill_(~visible.view(1, n, 1, length), float("-inf"))
+        probs = with_sinks(scores, head_sinks).reshape(num_kv_heads, n * g, length)
+        o = torch.bmm(probs, v32[:, :length])  # [kvh, n * g, D]
+        out[start:start + n] = o.view(num_kv_heads, n, g, d).transpose(0, 1).reshape(n, h, d).to(q.dtype)
+    return out
 
 
 def causal_mask(length: int, window: int, device: torch.device) -> Tensor:
@@ -205,30 +304,31 @@ def causal_mask(length: int, window: int, device: torch.device) -> Tensor:
 
 @torch.jit.unused
 def _paged_decode(q: Tensor, keys: Tensor, values: Tensor, block_tables: Tensor, seq_lens: Tensor,
-                  block_size: int, scale: float, window: int) -> Tensor:
+                  block_size: int, scale: float, window: int, sinks: Optional[Tensor]) -> Tensor:
     from engine.kernels.paged_attention import paged_decode_attention
 
-    return paged_decode_attention(q, keys, values, block_tables, seq_lens, block_size, scale, window)
+    return paged_decode_attention(q, keys, values, block_tables, seq_lens, block_size, scale, window, sinks=sinks)
 
 
 @torch.jit.unused
 def _paged_prefill(q: Tensor, keys: Tensor, values: Tensor, tables: Tensor, rows: Tensor, block_size: int,
-                   scale: float, window: int, max_query: int, out: Tensor) -> Tensor:
+                   scale: float, window: int, max_query: int, out: Tensor, sinks: Optional[Tensor]) -> Tensor:
     from engine.kernels.paged_attention import paged_prefill_attention
 
     return paged_prefill_attention(q, keys, values, tables, rows[2], rows[1], rows[0], block_size, scale,
-                                   window, out=out, max_query_len=max_query)
+                                   window, out=out, max_query_len=max_query, sinks=sinks)
 
 
 def attend_decode(q: Tensor, keys: Tensor, values: Tensor, batch: ForwardBatch, window: int, scale: float,
-                  num_kv_heads: int) -> Tensor:
-    """Attention of the batch's decode rows q [Bd, H, D] over their cached keys → [Bd, H, D]."""
+                  num_kv_heads: int, sinks: Optional[Tensor] = None) -> Tensor:
+    """Attention of the batch's decode rows q [Bd, H, D] over their cached keys → [Bd, H, D]; `sinks` [H] float32:
+    the heads' attention sinks (None: none)."""
     tables, lengths = batch.block_tables, batch.seq_lens  # locals: TorchScript refines Optional types of names only
     if tables is not None and lengths is not None:
         if cpu_paged_decode() and q.is_cpu:
             return torch.ops.emberserve.paged_decode_attention(q, keys, values, tables, lengths, batch.block_size,
-                                                               scale, window)
-        return _paged_decode(q, keys, values, tables, lengths, batch.block_size, scale, window)
+                                                               scale, window, sinks)
+        return _paged_decode(q, keys, values, tables, lengths, batch.block_size, scale, window, sinks)
     if batch.span_length > 0:  # one row whose keys are consecutive slots, read in place; only the window's visible
         first, length = window_span(batch.span_first, batch.span_length, window)
         k_all, v_all = keys[:, first:first + length].unsqueeze(0), values[:, first:first + length].unsqueeze(0)
@@ -240,20 +340,21 @@ def attend_decode(q: Tensor, keys: Tensor, values: Tensor, batch: ForwardBatch, 
         v_all = gather_blocks(values, key_blocks, batch.block_size)
         mask = batch.sliding_mask if window > 0 else batch.full_mask
     if batch.deterministic:
-        return exact_attention(q.unsqueeze(1), k_all, v_all, mask, num_kv_heads, scale)[:, 0]
-    return decode_attention(q, k_all, v_all, mask, num_kv_heads, scale)
+        return exact_attention(q.unsqueeze(1), k_all, v_all, mask, num_kv_heads, scale, sinks)[:, 0]
+    return decode_attention(q, k_all, v_all, mask, num_kv_heads, scale, sinks)
 
 
 def attend(q: Tensor, k: Optional[Tensor], v: Tensor, keys: Tensor, values: Tensor, batch: ForwardBatch,
-           window: int, scale: float, num_kv_heads: int) -> Tensor:
+           window: int, scale: float, num_kv_heads: int, sinks: Optional[Tensor] = None) -> Tensor:
     """Attention of every new token q [N, H, D] (its own k, v [N, kv_heads, D] already in the cache; k needed only
-    when the batch has a fresh prefill row, which attends over its own keys) → [N, H, D]."""
+    when the batch has a fresh prefill row, which attends over its own keys) → [N, H, D]; `sinks` [H] float32:
+    the heads' attention sinks (None: none)."""
     n, bd = q.shape[0], batch.decode_rows
     if bd == n:  # a pure decode step, the common case
-        return attend_decode(q, keys, values, batch, window, scale, num_kv_heads)
+        return attend_decode(q, keys, values, batch, window, scale, num_kv_heads, sinks)
     out = torch.empty_like(q)
     if bd > 0:
-        out[:bd] = attend_decode(q[:bd], keys, values, batch, window, scale, num_kv_heads)
+        out[:bd] = attend_decode(q[:bd], keys, values, batch, window, scale, num_kv_heads, sinks)
     gqa = num_kv_heads != q.shape[1]
     for i in range(len(batch.prefill_begins)):
         begin, end = batch.prefill_begins[i], batch.prefill_ends[i]
@@ -269,7 +370,11 @@ def attend(q: Tensor, k: Optional[Tensor], v: Tensor, keys: Tensor, values: Tens
             if mask is None:
                 mask = causal_mask(end - begin, window, q.device)
             out[begin:end] = exact_attention(q[begin:end].unsqueeze(0), row_keys.unsqueeze(0),
-                                             row_values.unsqueeze(0), mask, num_kv_heads, scale)[0]
+                                             row_values.unsqueeze(0), mask, num_kv_heads, scale, sinks)[0]
+            continue
+        if sinks is not None:
+            out[begin:end] = sink_prefill_attention(q[begin:end], row_keys, row_values, mask, num_kv_heads, scale,
+                                                    sinks)
             continue
         o = F.scaled_dot_product_attention(
             q[begin:end].transpose(0, 1).unsqueeze(0), row_keys.unsqueeze(0), row_values.unsqueeze(0),
@@ -279,14 +384,17 @@ def attend(q: Tensor, k: Optional[Tensor], v: Tensor, keys: Tensor, values: Tens
     if paged is not None and tables is not None:  # the rows over cached blocks (GPU; short chunks on CPU)
         if cpu_paged_decode() and q.is_cpu:
             return torch.ops.emberserve.paged_prefill_attention(q, keys, values, tables, paged[2], paged[1], paged[0],
-                                                                batch.block_size, scale, window, out)
+                                                                batch.block_size, scale, window, out, sinks)
         out = _paged_prefill(q, keys, values, tables, paged, batch.block_size, scale, window,
-                             batch.prefill_max_query, out)
+                             batch.prefill_max_query, out, sinks)
     return out
 
 
 class Attention(nn.Module):
-    """Multi-head attention with grouped KV heads, optional biases and q/k norms, reading and writing the KV cache."""
+    """Multi-head attention with grouped KV heads, optional biases, q/k norms (per head, or OLMoE's over all heads'
+    features) and attention sinks (gpt-oss), reading and writing the KV cache."""
+
+    sinks: Optional[Tensor]
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -294,10 +402,15 @@ class Attention(nn.Module):
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         # q, k and v in one matmul (the loader concatenates the checkpoint's three projections).
         self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.qk_norm = bool(cfg.qk_norm)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else nn.Identity()
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else nn.Identity()
+        self.qk_norm_per_head = bool(cfg.qk_norm_per_head)
+        q_norm_dim, k_norm_dim = (cfg.head_dim, cfg.head_dim) if cfg.qk_norm_per_head else (q_size, kv_size)
+        self.q_norm = RMSNorm(q_norm_dim, cfg.rms_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(k_norm_dim, cfg.rms_eps) if cfg.qk_norm else nn.Identity()
+        # A learned logit per head that joins its every softmax, float32 (attend's `sinks`); None without.
+        self.sinks = (nn.Parameter(torch.zeros(cfg.num_heads, dtype=torch.float32), requires_grad=False)
+                      if cfg.attention_sinks else None)
         self.sliding = bool(cfg.layer_is_sliding[layer])
         self.local_rope = self.sliding and cfg.local_rope is not None
         self.window = int(cfg.sliding_window or 0) if self.sliding else 0
@@ -308,13 +421,16 @@ class Attention(nn.Module):
         n, h, kvh = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x, batch.packed_rows, batch.deterministic).view(n, h + 2 * kvh, self.head_dim)
         qk, v = qkv[:, :h + kvh], qkv[:, h + kvh:]
-        if self.qk_norm:
+        if self.qk_norm and self.qk_norm_per_head:
             qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
+        elif self.qk_norm:  # OLMoE: each norm over all heads' features, before the heads are split
+            qk = torch.cat((self.q_norm(qk[:, :h].reshape(n, -1)).view(n, h, self.head_dim),
+                            self.k_norm(qk[:, h:].reshape(n, -1)).view(n, kvh, self.head_dim)), dim=1)
         cos, sin = (rope.local_cos, rope.local_sin) if self.local_rope else (rope.cos, rope.sin)
         # The rotated k only for rows that attend over their own keys (fresh prefills); the cache has them all.
         k = torch.empty((n, kvh, self.head_dim), dtype=x.dtype, device=x.device) if batch.prefill_begins else None
         q = rope_and_write_kv(qk, v, cos, sin, keys, values, batch.slots, k_out=k)
-        out = attend(q, k, v, keys, values, batch, self.window, self.scale, kvh)
+        out = attend(q, k, v, keys, values, batch, self.window, self.scale, kvh, self.sinks)
         return self.o_proj(out.reshape(n, -1), batch.packed_rows, batch.deterministic)
 
 

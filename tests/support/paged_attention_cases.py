@@ -4,7 +4,9 @@ tests/gpu/test_paged_attention_cuda.py.
 A problem is a pool of key/value blocks, block tables drawn at random from it (scattered, shuffled, rows sharing
 prefix blocks, entries past a row's length pointing at other rows' blocks) and the queries of
 `paged_decode_attention` or `paged_prefill_attention`. Only the slots of positions 0..seq_len-1 of some row hold
-keys; every other slot holds POISON, large enough that one stray read ruins the output.
+keys; every other slot holds POISON, large enough that one stray read ruins the output. Problems with `sinks` carry
+attention sinks (gpt-oss): a float32 logit per query head, drawn around the scores' own range so that the sink takes
+a real share of each softmax.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ class Spec:
     shared_blocks: int = 0                      # rows 1.. start with row 0's first blocks
     gap: int = 0                                # prefill: unclaimed tokens between rows' queries
     with_out: bool = False                      # pass an `out` buffer (always with a gap)
+    sinks: bool = False                         # attention sinks, one logit per query head
     options: dict[str, Any] = field(default_factory=dict)  # e.g. segments, max_query_len
 
     @property
@@ -75,6 +78,8 @@ def build(spec: Spec, seed: int, device: str | torch.device = "cpu") -> dict[str
         args["query_starts"] = torch.tensor(starts, dtype=torch.int32)
     if spec.with_out or spec.gap:  # a caller's buffer; unclaimed prefill tokens must keep what it held
         args["out"] = torch.full_like(args["q"], OUT_FILL)
+    if spec.sinks:  # drawn last: the problem's other tensors are those of the same spec without sinks
+        args["sinks"] = torch.randn(spec.heads, generator=gen) * 2 + 1
     args.update(spec.options)
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
 
@@ -104,6 +109,12 @@ DECODE = [
     Spec("fp32-batch1-auto-segments", lens=(150,), heads=8, kv_heads=1, extra_width=4),
     Spec("bf16-bs8-one-segment", lens=(1, 2, 65), block_size=8, dtype=BF16, options={"segments": 1}),
     Spec("fp16-all-padding", lens=(0, 0), dtype=FP16, with_out=True),
+    Spec("fp32-sinks-padding-seg2", lens=(37, 0, 64, 5), heads=8, kv_heads=2, sinks=True, options={"segments": 2}),
+    Spec("fp32-sinks-window-bs8-seg3", lens=(100, 17, 0), block_size=8, window=24, sinks=True,
+         options={"segments": 3}),
+    Spec("bf16-sinks-one-segment", lens=(90, 1, 33), heads=8, kv_heads=1, dtype=BF16, sinks=True,
+         options={"segments": 1}),
+    Spec("bf16-sinks-gpt-oss-window", lens=(200, 9), heads=16, kv_heads=2, window=128, dtype=BF16, sinks=True),
 ]
 PREFILL = [
     Spec("fp32-fresh-chunk-single", lens=(40, 70, 30), query_lens=(40, 20, 1)),
@@ -114,4 +125,9 @@ PREFILL = [
     Spec("fp16-group3-gaps-empty-row", lens=(30, 20, 10), query_lens=(10, 0, 10), heads=6, kv_heads=2,
          dtype=FP16, gap=3),
     Spec("fp32-max-query-len", lens=(33, 40), query_lens=(5, 8), options={"max_query_len": 8}),
+    Spec("fp32-sinks-fresh-chunk-single", lens=(40, 70, 30), query_lens=(40, 20, 1), sinks=True),
+    Spec("bf16-sinks-window-bs8-gaps", lens=(90, 50), query_lens=(90, 30), block_size=8, window=20, dtype=BF16,
+         gap=2, sinks=True),
+    Spec("fp32-sinks-group3-d128-window", lens=(60, 35), query_lens=(25, 35), heads=6, kv_heads=2, head_dim=128,
+         window=16, shared_blocks=1, sinks=True),
 ]

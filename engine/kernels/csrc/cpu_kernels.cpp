@@ -13,6 +13,9 @@
 //   paged_decode_attention  one query per row over its keys read in place through its block table
 //   paged_prefill_attention the queries of short chunks over their rows' cached keys, the same way
 //
+// Both attention kernels take optional attention sinks (gpt-oss): a logit per query head that joins every softmax
+// of the head and has no value, so the softmax's max starts at the sink's logit and its sum at exp(sink - max).
+//
 // Every kernel computes in float32 from float32 or bfloat16 tensors and rounds where the torch ops round (the
 // residual sum, a q/k norm, the rotated x * cos term, the activation), so results differ from the torch path only
 // by the order of a reduction. A row's result never depends on the other rows (batch-invariant). Work is split over
@@ -425,10 +428,11 @@ inline void add_value(const float* p, int64_t stride, int64_t group, const T* va
 // The `group` query heads q (head stride q_hs) sharing one KV head, for one query that sees the keys at positions
 // [first, len) of its row (block `table`; k / v: that KV head's slots, slot stride k_s / v_s) → o (head stride o_hs).
 // Scores, softmax and the weighted sum in float32; the keys and values read in place, a block's run at a time.
+// `sinks`: the group's attention sinks, or null.
 template <typename T>
 void attend_group(const T* q, int64_t q_hs, const T* k, int64_t k_s, const T* v, int64_t v_s, const int32_t* table,
-                  int64_t block_size, int64_t first, int64_t len, int64_t group, int64_t d, float scale, T* o,
-                  int64_t o_hs, Scratch& s) {
+                  int64_t block_size, int64_t first, int64_t len, int64_t group, int64_t d, float scale,
+                  const float* sinks, T* o, int64_t o_hs, Scratch& s) {
   if (len <= first) {  // a padding row
     for (int64_t g = 0; g < group; ++g) std::fill_n(o + g * o_hs, d, store<T>(0.f));
     return;
@@ -449,7 +453,7 @@ void attend_group(const T* q, int64_t q_hs, const T* k, int64_t k_s, const T* v,
   }
   for (int64_t g = 0; g < group; ++g) {  // softmax in place
     float* sg = s.scores.data() + g * count;
-    float top = -std::numeric_limits<float>::infinity();
+    float top = sinks ? sinks[g] : -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < count; ++j) top = std::max(top, sg[j]);
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -457,6 +461,7 @@ void attend_group(const T* q, int64_t q_hs, const T* k, int64_t k_s, const T* v,
       sg[j] = fast_exp(sg[j] - top);
       sum += sg[j];
     }
+    if (sinks) sum += fast_exp(sinks[g] - top);
     const float inv = 1.f / sum;
     for (int64_t j = 0; j < count; ++j) sg[j] *= inv;
   }
@@ -476,7 +481,7 @@ void attend_group(const T* q, int64_t q_hs, const T* k, int64_t k_s, const T* v,
 template <typename T>
 void attend_queries(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const int32_t* tables,
                     int64_t table_stride, const std::vector<std::array<int64_t, 4>>& queries, int64_t block_size,
-                    float scale, at::Tensor& out) {
+                    float scale, const float* sinks, at::Tensor& out) {
   const int64_t h = q.size(1), d = q.size(2), kvh = keys.size(0), group = h / kvh;
   const int64_t n = static_cast<int64_t>(queries.size());
   int64_t longest = 1;
@@ -492,7 +497,7 @@ void attend_queries(const at::Tensor& q, const at::Tensor& keys, const at::Tenso
       const int64_t kh = task % kvh, row = query[0];
       attend_group<T>(q_p + row * q.stride(0) + kh * group * q.stride(1), q.stride(1), k_p + kh * keys.stride(0),
                       keys.stride(1), v_p + kh * values.stride(0), values.stride(1), tables + query[1] * table_stride,
-                      block_size, query[2], query[3], group, d, scale,
+                      block_size, query[2], query[3], group, d, scale, sinks ? sinks + kh * group : nullptr,
                       o_p + row * out.stride(0) + kh * group * out.stride(1), out.stride(1), scratch);
     }
   });
@@ -669,11 +674,12 @@ inline float ordered_sum(const float* x, int64_t n) {
 }
 
 // Queries [0, n) of one row (q: the first query's first head of this KV head, token stride q_ts, head stride q_hs),
-// query i seeing keys [firsts[i], ends[i]) through `table` → o likewise.
+// query i seeing keys [firsts[i], ends[i]) through `table` → o likewise; `sinks`: the group's sinks, or null.
 template <typename T>
 void attend_chunk(const T* q, int64_t q_ts, int64_t q_hs, const T* k, int64_t k_s, const T* v, int64_t v_s,
                   const int32_t* table, int64_t block_size, const int64_t* firsts, const int64_t* ends, int64_t n,
-                  int64_t group, int64_t d, float scale, T* o, int64_t o_ts, int64_t o_hs, ChunkScratch& s) {
+                  int64_t group, int64_t d, float scale, const float* sinks, T* o, int64_t o_ts, int64_t o_hs,
+                  ChunkScratch& s) {
   const int64_t rows = n * group, lo = *std::min_element(firsts, firsts + n), hi = *std::max_element(ends, ends + n);
   const int64_t count = std::max<int64_t>(0, hi - lo), stride = (count + 15) / 16 * 16;
   std::vector<int64_t> row_lo(rows), row_hi(rows);
@@ -689,10 +695,12 @@ void attend_chunk(const T* q, int64_t q_ts, int64_t q_hs, const T* k, int64_t k_
     std::fill(si, si + a, 0.f);
     std::fill(si + b, si + stride, 0.f);
     if (a >= b) continue;
-    float top = -std::numeric_limits<float>::infinity();
+    float top = sinks ? sinks[i % group] : -std::numeric_limits<float>::infinity();
     for (int64_t j = a; j < b; ++j) top = std::max(top, si[j]);
     for (int64_t j = a; j < b; ++j) si[j] = fast_exp(si[j] - top);
-    const float inv = 1.f / ordered_sum(si + a, b - a);
+    float sum = ordered_sum(si + a, b - a);
+    if (sinks) sum += fast_exp(sinks[i % group] - top);
+    const float inv = 1.f / sum;
     for (int64_t j = a; j < b; ++j) si[j] *= inv;
   }
   s.q.resize(rows * d);
@@ -728,7 +736,7 @@ inline bool chunk_kernel_serves(int64_t d) {
 template <typename T>
 void attend_chunks(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const int32_t* tables,
                    int64_t table_stride, const std::vector<std::array<int64_t, 4>>& queries, int64_t block_size,
-                   float scale, at::Tensor& out) {
+                   float scale, const float* sinks, at::Tensor& out) {
   const int64_t h = q.size(1), d = q.size(2), kvh = keys.size(0), group = h / kvh;
   std::vector<std::array<int64_t, 2>> blocks;  // [first query, end query) of `queries`, one row's consecutive ones
   int64_t longest = 1;
@@ -761,15 +769,15 @@ void attend_chunks(const at::Tensor& q, const at::Tensor& keys, const at::Tensor
       attend_chunk<T>(q_p + first * q.stride(0) + kh * group * q.stride(1), q.stride(0), q.stride(1),
                       k_p + kh * keys.stride(0), keys.stride(1), v_p + kh * values.stride(0), values.stride(1),
                       tables + table_row * table_stride, block_size, firsts.data(), ends.data(), block[1] - block[0],
-                      group, d, scale, o_p + first * out.stride(0) + kh * group * out.stride(1), out.stride(0),
-                      out.stride(1), scratch);
+                      group, d, scale, sinks ? sinks + kh * group : nullptr,
+                      o_p + first * out.stride(0) + kh * group * out.stride(1), out.stride(0), out.stride(1), scratch);
     }
   });
 }
 #else
 template <typename T>  // never called: chunk_kernel_serves is false without AVX-512
 void attend_chunks(const at::Tensor&, const at::Tensor&, const at::Tensor&, const int32_t*, int64_t,
-                   const std::vector<std::array<int64_t, 4>>&, int64_t, float, at::Tensor&) {
+                   const std::vector<std::array<int64_t, 4>>&, int64_t, float, const float*, at::Tensor&) {
   TORCH_CHECK(false, "the chunk attention kernel needs an AVX-512 build");
 }
 #endif
@@ -794,26 +802,38 @@ void check_table(const int32_t* table, int64_t width, int64_t keys, int64_t bloc
     TORCH_CHECK(table[i] >= 0 && table[i] < pool_blocks, "block ", table[i], " is not in the pool");
 }
 
+// The attention sinks [H] as float32 (null without), held in `held` while the call runs.
+const float* sink_logits(const c10::optional<at::Tensor>& sinks, const at::Tensor& q, at::Tensor& held) {
+  if (!sinks.has_value()) return nullptr;
+  TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == q.size(1), "sinks must be [", q.size(1), "], one per query head");
+  held = sinks->to(at::kFloat).contiguous();
+  return held.data_ptr<float>();
+}
+
 // Every query of a decode or prefill call through one kernel: the chunk kernel where it serves, else one at a time.
 void attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const int32_t* tables,
             int64_t table_stride, const std::vector<std::array<int64_t, 4>>& queries, int64_t block_size, double scale,
-            at::Tensor& out) {
+            const float* sinks, at::Tensor& out) {
   const bool chunks = chunk_kernel_serves(q.size(2));
   AT_DISPATCH_SWITCH(q.scalar_type(), "emberserve_paged_attention",
     AT_DISPATCH_CASE(at::kFloat, [&] {
-      if (chunks) attend_chunks<float>(q, keys, values, tables, table_stride, queries, block_size, scale, out);
-      else attend_queries<float>(q, keys, values, tables, table_stride, queries, block_size, scale, out);
+      if (chunks) attend_chunks<float>(q, keys, values, tables, table_stride, queries, block_size, scale, sinks, out);
+      else attend_queries<float>(q, keys, values, tables, table_stride, queries, block_size, scale, sinks, out);
     })
     AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      if (chunks) attend_chunks<c10::BFloat16>(q, keys, values, tables, table_stride, queries, block_size, scale, out);
-      else attend_queries<c10::BFloat16>(q, keys, values, tables, table_stride, queries, block_size, scale, out);
+      if (chunks)
+        attend_chunks<c10::BFloat16>(q, keys, values, tables, table_stride, queries, block_size, scale, sinks, out);
+      else
+        attend_queries<c10::BFloat16>(q, keys, values, tables, table_stride, queries, block_size, scale, sinks, out);
     }));
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
-                                  double scale, int64_t window) {
+                                  double scale, int64_t window, const c10::optional<at::Tensor>& sinks) {
   check_pool(q, keys, values, block_size);
+  at::Tensor held;
+  const float* sink_p = sink_logits(sinks, q, held);
   const int64_t b = q.size(0);
   at::Tensor tables = block_tables.to(at::kInt).contiguous();
   at::Tensor lens = seq_lens.to(at::kInt).contiguous();
@@ -828,7 +848,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& keys, c
     queries[r] = {r, r, window > 0 ? std::max<int64_t>(0, len - window) : 0, len};
   }
   at::Tensor out = at::empty(q.sizes(), q.options());
-  attend(q, keys, values, tp, width, queries, block_size, scale, out);
+  attend(q, keys, values, tp, width, queries, block_size, scale, sink_p, out);
   return out;
 }
 
@@ -839,8 +859,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& keys, c
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                                    const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                    const at::Tensor& query_lens, const at::Tensor& query_starts, int64_t block_size,
-                                   double scale, int64_t window, at::Tensor out) {
+                                   double scale, int64_t window, at::Tensor out,
+                                   const c10::optional<at::Tensor>& sinks) {
   check_pool(q, keys, values, block_size);
+  at::Tensor held;
+  const float* sink_p = sink_logits(sinks, q, held);
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && out.stride(2) == 1,
               "out must be like q");
   at::Tensor tables = block_tables.to(at::kInt).contiguous();
@@ -862,7 +885,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& keys, 
       queries.push_back({start + t, r, window > 0 ? std::max<int64_t>(0, end - window) : 0, end});
     }
   }
-  attend(q, keys, values, tp, width, queries, block_size, scale, out);
+  attend(q, keys, values, tp, width, queries, block_size, scale, sink_p, out);
   return out;
 }
 
@@ -876,9 +899,10 @@ TORCH_LIBRARY(emberserve, m) {
         "Tensor slots, Tensor? q_norm_weight, Tensor? k_norm_weight, float eps, Tensor(c!)? k_out) -> Tensor");
   m.def("gated_activation(Tensor gate_up, bool gelu) -> Tensor");
   m.def("paged_decode_attention(Tensor q, Tensor keys, Tensor values, Tensor block_tables, Tensor seq_lens, "
-        "int block_size, float scale, int window) -> Tensor");
+        "int block_size, float scale, int window, Tensor? sinks=None) -> Tensor");
   m.def("paged_prefill_attention(Tensor q, Tensor keys, Tensor values, Tensor block_tables, Tensor seq_lens, "
-        "Tensor query_lens, Tensor query_starts, int block_size, float scale, int window, Tensor(a!) out) -> Tensor(a!)");
+        "Tensor query_lens, Tensor query_starts, int block_size, float scale, int window, Tensor(a!) out, "
+        "Tensor? sinks=None) -> Tensor(a!)");
 }
 
 TORCH_LIBRARY_IMPL(emberserve, CPU, m) {

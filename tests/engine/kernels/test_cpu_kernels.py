@@ -49,7 +49,7 @@ def test_paged_decode_matches_the_reference(spec):
     args = build_paged(spec, seed=sum(map(ord, spec.name)))
     got = torch.ops.emberserve.paged_decode_attention(args["q"], args["keys"], args["values"], args["block_tables"],
                                                       args["seq_lens"], args["block_size"], args["scale"],
-                                                      args["window"])
+                                                      args["window"], args.get("sinks"))
     want = reference_decode(**{k: v for k, v in args.items() if k not in OPTIONS})
     assert got.dtype == spec.dtype and got.shape == args["q"].shape
     err = float((got.double() - want).abs().max())
@@ -70,7 +70,7 @@ def test_paged_prefill_matches_the_reference(spec):
     out = args.get("out", torch.full_like(args["q"], OUT_FILL))
     got = torch.ops.emberserve.paged_prefill_attention(
         args["q"], args["keys"], args["values"], args["block_tables"], args["seq_lens"], args["query_lens"],
-        args["query_starts"], args["block_size"], args["scale"], args["window"], out)
+        args["query_starts"], args["block_size"], args["scale"], args["window"], out, args.get("sinks"))
     assert got.data_ptr() == out.data_ptr()
     want = reference_prefill(**{k: v for k, v in args.items() if k not in OPTIONS})
     mine = claimed(spec, got.shape[0])
@@ -141,9 +141,10 @@ def test_without_the_library_the_ops_run_the_torch_path():
 
 
 
-@pytest.mark.parametrize("queries,window,d,dtype", [(5, 0, 64, BF16), (17, 0, 64, BF16), (40, 0, 128, BF16),
-                                                   (23, 100, 64, BF16), (9, 0, 64, torch.float32)])
-def test_chunk_queries_equal_decode_rows_bit_for_bit(queries, window, d, dtype):
+@pytest.mark.parametrize("queries,window,d,dtype,sinks", [
+    (5, 0, 64, BF16, False), (17, 0, 64, BF16, False), (40, 0, 128, BF16, False), (23, 100, 64, BF16, False),
+    (9, 0, 64, torch.float32, False), (17, 0, 64, BF16, True), (23, 100, 64, BF16, True)])
+def test_chunk_queries_equal_decode_rows_bit_for_bit(queries, window, d, dtype, sinks):
     """A chunk's queries (a speculative verification row: the drafts and the last token) give each query exactly
     what the decode kernel gives it as a row of its own, or greedy outputs would change with speculation."""
     torch.manual_seed(queries)
@@ -153,12 +154,13 @@ def test_chunk_queries_equal_decode_rows_bit_for_bit(queries, window, d, dtype):
     values = torch.randn_like(keys)
     table = torch.randperm(blocks + 3)[:blocks].to(torch.int32)[None]
     q = torch.randn(queries, heads, d, dtype=dtype)
+    sink_logits = torch.randn(heads) + 1 if sinks else None
     out = torch.empty_like(q)
     chunk = torch.ops.emberserve.paged_prefill_attention(
         q, keys, values, table, torch.tensor([length], dtype=torch.int32), torch.tensor([queries], dtype=torch.int32),
-        torch.tensor([0], dtype=torch.int32), bs, d ** -0.5, window, out)
+        torch.tensor([0], dtype=torch.int32), bs, d ** -0.5, window, out, sink_logits)
     # each query alone: a decode row at its own position, seeing the keys up to it
     lens = torch.tensor([length - queries + i + 1 for i in range(queries)], dtype=torch.int32)
     decoded = torch.ops.emberserve.paged_decode_attention(q, keys, values, table.expand(queries, -1).contiguous(),
-                                                          lens, bs, d ** -0.5, window)
+                                                          lens, bs, d ** -0.5, window, sink_logits)
     assert torch.equal(chunk, decoded)

@@ -19,8 +19,10 @@ from engine.kernels import paged_attention
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
-# (heads, kv heads, head_dim, window) of Llama-3.2-1B, Qwen3-0.6B, Gemma-3-1B
-MODELS = {"llama-1b": (32, 8, 64, 0), "qwen3-0.6b": (16, 8, 128, 0), "gemma3-1b": (4, 1, 256, 512)}
+# (heads, kv heads, head_dim, window, attention sinks) of Llama-3.2-1B, Qwen3-0.6B, Gemma-3-1B, gpt-oss-20b's
+# sliding layers
+MODELS = {"llama-1b": (32, 8, 64, 0, False), "qwen3-0.6b": (16, 8, 128, 0, False), "gemma3-1b": (4, 1, 256, 512, False),
+          "gpt-oss-20b": (64, 8, 64, 128, True)}
 _INT_POINTERS = ("tables_ptr", "seq_lens_ptr", "query_lens_ptr", "query_starts_ptr")
 
 
@@ -36,8 +38,8 @@ def _compile(kernel, constexprs: dict, warps: int, dtype: str):
             signature[name] = "constexpr"
             continue
         if name.endswith("_ptr"):
-            signature[name] = ("*i32" if name in _INT_POINTERS else "*fp32" if name.startswith("part_")
-                               else f"*{dtype}")
+            signature[name] = ("*i32" if name in _INT_POINTERS
+                               else "*fp32" if name.startswith("part_") or name == "sinks_ptr" else f"*{dtype}")
         else:
             signature[name] = "fp32" if name == "qk_scale" else "i32"
         if name.endswith("_ptr") or (name.startswith("stride_") and name != "stride_tb"):
@@ -62,8 +64,9 @@ def test_decode_kernel_fits_sm90(model, segments, tmp_path, monkeypatch):
     from engine.kernels import paged_attention_triton as kernels
 
     monkeypatch.chdir(tmp_path)
-    heads, kv_heads, head_dim, window = MODELS[model]
-    main, reduce = paged_attention.decode_config(heads, kv_heads, head_dim, 16, torch.bfloat16, segments, window > 0)
+    heads, kv_heads, head_dim, window, sinks = MODELS[model]
+    main, reduce = paged_attention.decode_config(heads, kv_heads, head_dim, 16, torch.bfloat16, segments, window > 0,
+                                                 sinks)
     compiled, regs, stack = _compile(kernels.paged_decode_kernel, main, paged_attention.DECODE_WARPS, "bf16")
     assert stack == 0, f"{regs} registers and {stack} bytes of stack a thread: spilling"
     assert "cp.async" in compiled.asm["ptx"], "the key loop is not pipelined"
@@ -77,8 +80,9 @@ def test_prefill_kernel_fits_sm90(model, tmp_path, monkeypatch):
     from engine.kernels import paged_attention_triton as kernels
 
     monkeypatch.chdir(tmp_path)
-    heads, kv_heads, head_dim, window = MODELS[model]
-    constexprs, warps = paged_attention.prefill_config(heads, kv_heads, head_dim, 16, torch.bfloat16, window > 0)
+    heads, kv_heads, head_dim, window, sinks = MODELS[model]
+    constexprs, warps = paged_attention.prefill_config(heads, kv_heads, head_dim, 16, torch.bfloat16, window > 0,
+                                                       sinks)
     compiled, regs, stack = _compile(kernels.paged_prefill_kernel, constexprs, warps, "bf16")
     assert stack == 0, f"{regs} registers and {stack} bytes of stack a thread: spilling"
     assert "cp.async" in compiled.asm["ptx"], "the key loop is not pipelined"
