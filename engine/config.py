@@ -324,8 +324,9 @@ def _moe_config_from_hf(family: str, cfg: dict[str, Any], common: dict[str, Any]
     if family == "olmoe":
         if cfg.get("clip_qkv") is not None:
             raise UnsupportedModelError("olmoe with clip_qkv is not supported")
+        bias = bool(cfg.get("attention_bias", False))
         return ModelConfig(family=family, **common, rope=rope, qk_norm=True, qk_norm_per_head=False,
-                           attention_bias=bool(cfg.get("attention_bias", False)),
+                           attention_bias=bias, o_proj_bias=bias,
                            moe=MoEConfig(experts, top_k, int(cfg["intermediate_size"]),
                                          renormalize=bool(cfg.get("norm_topk_prob", False))))
     # gpt_oss

@@ -29,11 +29,12 @@ def all_gather_columns(x: Tensor, world: int, group: str) -> Tensor:
 
 class RowParallel(nn.Module):
     """A row-parallel projection (o, down): this rank's input columns of the weight; the partial products are summed
-    over the ranks. The wrapped layer has no bias (it would be added once per rank)."""
+    over the ranks. A bias would be added once per rank: the wrapped layer has none, or (`bias_sharded`) the loader
+    gave the whole bias to rank 0 and zeros to the others (engine/parallel/sharding.py)."""
 
-    def __init__(self, inner: nn.Module, group: str) -> None:
+    def __init__(self, inner: nn.Module, group: str, bias_sharded: bool = False) -> None:
         super().__init__()
-        if getattr(inner, "bias", None) is not None:
+        if getattr(inner, "bias", None) is not None and not bias_sharded:
             raise ValueError("a row-parallel layer takes no bias")
         self.inner, self.group = inner, group
 
@@ -72,7 +73,7 @@ class GatheredLMHead(nn.Module):
 def parallelize(model: nn.Module, cfg: ModelConfig, shard: Shard, group: str) -> None:
     """Wrap the loaded shares of `model` (engine/parallel/sharding.py) in the modules that communicate over `group`."""
     for block in model.layers:
-        block.self_attn.o_proj = RowParallel(block.self_attn.o_proj, group)
+        block.self_attn.o_proj = RowParallel(block.self_attn.o_proj, group, bias_sharded=cfg.o_proj_bias)
         if isinstance(block.mlp, MoEMLP):  # routed and shared experts' partial sums, reduced once
             block.mlp = RowParallel(block.mlp, group)
         else:

@@ -58,6 +58,8 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
         problems.append(f"an expert FFN width of {moe.expert_intermediate}")
     if moe is not None and moe.shared_intermediate % size:
         problems.append(f"a shared expert FFN width of {moe.shared_intermediate}")
+    if cfg.qk_norm and not cfg.qk_norm_per_head and size > 1:
+        problems.append("q/k norms over all heads at once (OLMoE)")
     if problems:
         raise UnsupportedModelError(
             f"a {cfg.family} model with {', '.join(problems)} does not split over {size} tensor-parallel ranks; "
@@ -167,6 +169,8 @@ def shard_state(state: dict[str, Weight], cfg: ModelConfig, shard: Shard) -> Non
                                          _rows(w, h * d + k0, h * d + k0 + lkv * d),
                                          _rows(w, (h + kv) * d + k0, (h + kv) * d + k0 + lkv * d)])
         state[f"{p}self_attn.o_proj.weight"] = _columns(state[f"{p}self_attn.o_proj.weight"], q0, q0 + lh * d)
+        if f"{p}self_attn.sinks" in state:  # gpt-oss: a sink per query head
+            state[f"{p}self_attn.sinks"] = state[f"{p}self_attn.sinks"][shard.rank * lh:(shard.rank + 1) * lh]
         _first_rank_only(state, f"{p}self_attn.o_proj.bias", shard)
         if f"{p}mlp.gate_up_proj.weight" in state:
             _shard_gated(state, f"{p}mlp.", cfg.intermediate_size, shard)
@@ -190,6 +194,8 @@ def resize_modules(model: nn.Module, cfg: ModelConfig, shard: Shard) -> None:
             attn.qkv_proj = Linear(hidden, (lh + 2 * lkv) * d, bias=cfg.attention_bias)
             attn.o_proj = Linear(lh * d, hidden, bias=cfg.o_proj_bias)
             attn.num_heads, attn.num_kv_heads = lh, lkv
+            if cfg.attention_sinks:
+                attn.sinks = nn.Parameter(torch.empty(lh), requires_grad=False)
             if isinstance(mlp, MoEMLP):
                 _resize_experts(mlp, cfg, shard)
             else:

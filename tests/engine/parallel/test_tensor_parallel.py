@@ -27,7 +27,7 @@ from tests.support.tiny_models import prompt_ids
 TP = 2
 TOLERANCE = 1e-5  # float32, absolute
 # one variant per family (llama3_scaled: llama again); the mixtures of experts split each expert's FFN width
-FAMILIES = ["llama_tied", "qwen2", "qwen3", "gemma3", "qwen3_moe", "qwen2_moe", "mixtral"]
+FAMILIES = ["llama_tied", "qwen2", "qwen3", "gemma3", "qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"]
 
 
 @pytest.fixture(autouse=True)
@@ -189,3 +189,15 @@ def _assert_same(sent, got, name: str) -> None:
             _assert_same(s, g, name)
     else:
         assert sent == got, name
+
+
+def test_olmoe_full_width_qk_norms_are_refused_and_experts_must_split(tiny_zoo) -> None:
+    from engine.weights.summary import model_config
+
+    cfg = model_config(tiny_zoo.model("olmoe").safetensors_dir)
+    with pytest.raises(UnsupportedModelError, match="q/k norms over all heads"):
+        check_shardable(cfg, 2)
+    moe_cfg = model_config(tiny_zoo.model("qwen3_moe").safetensors_dir)
+    check_shardable(moe_cfg, 2)  # expert width 32 splits
+    with pytest.raises(UnsupportedModelError, match="expert FFN width of 32"):
+        check_shardable(moe_cfg, 3)
