@@ -1,4 +1,5 @@
-"""The engine on a CUDA device (skipped without one; run on the GPU machine): every tiny family against transformers,
+"""The engine on a CUDA device (skipped without one; run on the GPU machine): every tiny family (the mixtures of experts
+through the fused MoE kernel) against transformers,
 decode steps replayed from CUDA graphs against the same steps run eagerly, and greedy decoding equal to
 transformers' in float32."""
 from __future__ import annotations
@@ -10,7 +11,7 @@ from engine import load_runner
 from engine.model.batch import StepRow, TokenFeed
 from engine.cache.block_manager import PENDING_TOKEN
 from engine.runtime.cuda_graphs import bucket_of
-from tests.support.tiny_models import VARIANTS, assert_logits_close, build_tiny_model, hf_greedy, hf_logits, \
+from tests.support.tiny_models import MOE_VARIANTS, VARIANTS, assert_logits_close, build_tiny_model, hf_greedy, hf_logits, \
     prompt_ids, reference_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.fixture(scope="module")
 def tinies(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("tiny-cuda")
-    return {v: build_tiny_model(v, root / v) for v in VARIANTS}
+    return {v: build_tiny_model(v, root / v) for v in VARIANTS + MOE_VARIANTS}
 
 
 def _decode(runner, seqs, steps: int) -> list[torch.Tensor]:
@@ -34,7 +35,7 @@ def _decode(runner, seqs, steps: int) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", VARIANTS + MOE_VARIANTS)
 def test_float32_on_cuda_matches_transformers(tinies, variant) -> None:
     tiny = tinies[variant]
     model = reference_model(tiny, "F32")
@@ -46,7 +47,7 @@ def test_float32_on_cuda_matches_transformers(tinies, variant) -> None:
     assert runner.generate(ids[:12], 20) == expected  # prefill eager, decode from the graphs
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", VARIANTS + MOE_VARIANTS)
 def test_bfloat16_on_cuda_is_close_to_transformers(tinies, variant) -> None:
     tiny = tinies[variant]
     model = reference_model(tiny, "F32")
@@ -58,7 +59,7 @@ def test_bfloat16_on_cuda_is_close_to_transformers(tinies, variant) -> None:
     assert float((got - want).abs().max()) < 0.05 * scale, (variant, float((got - want).abs().max()), scale)
 
 
-@pytest.mark.parametrize("variant", ["llama_tied", "qwen3", "gemma3"])
+@pytest.mark.parametrize("variant", ["llama_tied", "qwen3", "gemma3", *MOE_VARIANTS])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graph_replay_equals_eager_steps(tinies, variant, dtype) -> None:
     """Five sequences of different lengths (one past gemma3's window), 12 decode steps: from the graph of bucket 8
@@ -82,7 +83,7 @@ def test_graph_replay_equals_eager_steps(tinies, variant, dtype) -> None:
         assert float((eager - replayed).abs().max()) <= tol * scale, (variant, dtype, step)
 
 
-@pytest.mark.parametrize("variant", ["llama_tied", "qwen3", "gemma3"])
+@pytest.mark.parametrize("variant", ["llama_tied", "qwen3", "gemma3", "qwen3_moe", "gpt_oss"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_chunk_graphs_equal_eager_steps(tinies, variant, dtype) -> None:
     """Prompt chunks replayed from their buckets' graphs (engine/runtime/chunk_graphs.py) against the same steps run
