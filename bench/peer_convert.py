@@ -1,0 +1,36 @@
+"""Run llama.cpp's own `convert_hf_to_gguf.py` on a bench/synthetic_model.py directory.
+
+    python bench/peer_convert.py LLAMA_CPP_DIR MODEL_DIR --outtype f16 --outfile OUT.gguf
+
+One change to the converter, made here rather than in its source: it names a BPE tokenizer's pre-tokenizer by
+hashing the ids of a fixed text and looking the hash up in a table of published models. The synthetic tokenizer
+(GPT-2's byte-level pre-tokenizer, no merges) is in no such table, so it is declared "gpt-2", the pre-tokenizer it
+has. Prompts reach llama-server as token ids in the benchmarks, so its text pre-tokenizer is never used there.
+The converter needs its own gguf-py (first on the path), torch, numpy, safetensors and transformers.
+"""
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+PRE_TOKENIZER = "gpt-2"
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) < 2:
+        raise SystemExit(__doc__)
+    llama_cpp = Path(argv[0]).resolve()
+    script = llama_cpp / "convert_hf_to_gguf.py"
+    if not script.is_file():
+        raise SystemExit(f"{script}: not found (LLAMA_CPP_DIR is the llama.cpp source directory)")
+    sys.path[:0] = [str(llama_cpp), str(llama_cpp / "gguf-py")]
+    from conversion.base import TextModel  # the converter's package, from LLAMA_CPP_DIR
+
+    TextModel.get_vocab_base_pre = lambda self, tokenizer: PRE_TOKENIZER
+    sys.argv = [str(script), *argv[1:]]
+    runpy.run_path(str(script), run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
