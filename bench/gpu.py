@@ -66,7 +66,7 @@ PARTS = ("bandwidth", "anchor", "engine", "ttft", "server", "peer")
 DEFAULT_PART_BUDGET = {"bandwidth": 15.0, "anchor": 45.0, "engine": 75.0, "ttft": 30.0, "server": 120.0,
                        "peer": 360.0}
 GIB = 2**30
-HOST_RESERVE = 24 * GIB  # host memory a model in /dev/shm must leave to the processes that load it
+HOST_RESERVE = 16 * GIB  # host memory a model in /dev/shm must leave to the processes that load it
 WARMUP_STEPS = 3
 START = time.monotonic()
 
@@ -442,18 +442,36 @@ def _guarded(report: dict, part: str, fn: Callable[[], Any], save: Callable[[], 
     save()
 
 
-def peer_part(model: ModelDir, shape: Shape, args: argparse.Namespace, budget: Budget, work: Path) -> dict:
-    """llama.cpp's llama-server on the same weights: convert the directory to a GGUF beside it, serve it, and
-    drive it with the server part's load (same prompts, same bodies, `repeat_penalty` 1 spelled out)."""
+def start_conversion(model: ModelDir, args: argparse.Namespace, work: Path, nice: int) -> llama_peer.Conversion | str:
+    """The GGUF conversion of `model` for the peer part, started now; or why it cannot be."""
     opts: llama_peer.PeerOptions = args.peer
-    if not opts.binary.is_file():
-        return {"error": f"no llama-server at {opts.binary} (bench/gpu_moe.sh build)"}
-    result: dict[str, Any] = {"llama_server_version": llama_peer.version(opts), "outtype": opts.outtype}
     gguf = work / f"{model.path.name}-{opts.outtype}.gguf"
     need, free = llama_peer.gguf_bytes_estimate(model.path), shutil.disk_usage(work).free
     if free < 1.02 * need + GIB:
-        return result | {"error": f"no room for the GGUF in {work}: {need / 1e9:.1f} GB needed, {free / 1e9:.1f} free"}
-    result |= llama_peer.convert(model.path, gguf, opts, budget.left(), log)
+        return f"no room for the GGUF in {work}: {need / 1e9:.1f} GB needed, {free / 1e9:.1f} free"
+    conversion = llama_peer.Conversion(model.path, gguf, opts, nice)
+    log(f"  converting to {gguf.name}{f' (nice {nice}, beside the other parts)' if nice else ''}: "
+        f"{' '.join(conversion.cmd)}")
+    return conversion
+
+
+def peer_part(model: ModelDir, shape: Shape, args: argparse.Namespace, budget: Budget, work: Path,
+              conversion: llama_peer.Conversion | str | None) -> dict:
+    """llama.cpp's llama-server on the same weights: the directory converted to a GGUF beside it (`conversion`,
+    started earlier, or now), served, and driven with the server part's load (same prompts, same bodies,
+    `repeat_penalty` 1 spelled out)."""
+    opts: llama_peer.PeerOptions = args.peer
+    if not opts.binary.is_file():
+        if isinstance(conversion, llama_peer.Conversion):
+            conversion.cancel()
+        return {"error": f"no llama-server at {opts.binary} (bench/gpu_moe.sh build)"}
+    result: dict[str, Any] = {"llama_server_version": llama_peer.version(opts), "outtype": opts.outtype}
+    if conversion is None:
+        conversion = start_conversion(model, args, work, nice=0)
+    if isinstance(conversion, str):
+        return result | {"error": conversion}
+    gguf = conversion.out
+    result |= conversion.result(budget.left())
     if "error" in result:
         return result
     log(f"  converted in {result['convert_s']}s: {result['gguf_bytes'] / 1e9:.2f} GB")
@@ -554,49 +572,56 @@ def _run_shape_in(name: str, shape: Shape, args: argparse.Namespace, device: tor
     def budget(part: str) -> Budget:
         return Budget(args.part_budget[part], within=total)
 
-    if "anchor" in args.parts and shape.moe:
-        report["anchor"] = {"skipped": "the anchor is a dense decoder"}
-    elif "anchor" in args.parts:
-        log(f"{name}: anchor (bare PyTorch decode loop)")
-        _guarded(report, "anchor", lambda: anchor_part(shape, device, args, budget("anchor"), roofline(1)), save)
-    if {"engine", "ttft"} & set(args.parts):
-        from engine import load_runner
+    conversion = None  # the peer's GGUF, converted beside our parts when --peer-convert-early
+    if "peer" in args.parts and args.peer_convert_early:
+        conversion = start_conversion(model, args, work, nice=19)
+    try:
+        if "anchor" in args.parts and shape.moe:
+            report["anchor"] = {"skipped": "the anchor is a dense decoder"}
+        elif "anchor" in args.parts:
+            log(f"{name}: anchor (bare PyTorch decode loop)")
+            _guarded(report, "anchor", lambda: anchor_part(shape, device, args, budget("anchor"), roofline(1)), save)
+        if {"engine", "ttft"} & set(args.parts):
+            from engine import load_runner
 
-        t1 = time.monotonic()
-        try:
-            runner = load_runner(str(model.path), device=device,
-                                 dtype=torch.bfloat16 if device.type == "cuda" else None, quant=args.quant,
-                                 kv_cache_memory=kv_memory(shape, args, 2 if device.type == "cuda" else 4))
-        except Exception as e:  # noqa: BLE001
-            log(f"{name}: engine failed to load: {type(e).__name__}: {e}")
-            report["engine_load_error"] = f"{type(e).__name__}: {e}"[:2000]
-            runner = None
-        if runner is not None:
-            report["engine_load_s"] = round(time.monotonic() - t1, 1)
-            report["engine_quant"] = runner.quant
-            log(f"{name}: engine loaded in {report['engine_load_s']}s ({runner.dtype}, "
-                f"{runner.blocks.num_blocks} KV blocks)")
-            if device.type == "cuda" and not args.no_cuda_graphs:
-                try:
-                    report["graph_capture_s"] = round(runner.capture_cuda_graphs(max(args.batches)), 1)
-                    log(f"{name}: CUDA graphs captured in {report['graph_capture_s']}s")
-                except Exception as e:  # noqa: BLE001
-                    log(f"{name}: graph capture failed: {type(e).__name__}: {e}")
-                    report["graph_capture_error"] = f"{type(e).__name__}: {e}"[:2000]
-            if "engine" in args.parts:
-                _guarded(report, "engine", lambda: engine_part(runner, args, budget("engine"), roofline), save)
-            if "ttft" in args.parts:
-                _guarded(report, "ttft", lambda: ttft_part(runner, args, budget("ttft")), save)
-            del runner
-            free_memory()
-    if "server" in args.parts:
-        for i, extra in enumerate(args.server_args or [""]):  # one server a variant, the first as "server"
-            log(f"{name}: server over HTTP{f' ({extra})' if extra else ''}")
-            _guarded(report, "server" if i == 0 else f"server {extra}",
-                     lambda: server_part(model, shape, args, extra, budget("server"), work), save)
-    if "peer" in args.parts:
-        log(f"{name}: llama.cpp's llama-server over HTTP")
-        _guarded(report, "peer", lambda: peer_part(model, shape, args, budget("peer"), work), save)
+            t1 = time.monotonic()
+            try:
+                runner = load_runner(str(model.path), device=device,
+                                     dtype=torch.bfloat16 if device.type == "cuda" else None, quant=args.quant,
+                                     kv_cache_memory=kv_memory(shape, args, 2 if device.type == "cuda" else 4))
+            except Exception as e:  # noqa: BLE001
+                log(f"{name}: engine failed to load: {type(e).__name__}: {e}")
+                report["engine_load_error"] = f"{type(e).__name__}: {e}"[:2000]
+                runner = None
+            if runner is not None:
+                report["engine_load_s"] = round(time.monotonic() - t1, 1)
+                report["engine_quant"] = runner.quant
+                log(f"{name}: engine loaded in {report['engine_load_s']}s ({runner.dtype}, "
+                    f"{runner.blocks.num_blocks} KV blocks)")
+                if device.type == "cuda" and not args.no_cuda_graphs:
+                    try:
+                        report["graph_capture_s"] = round(runner.capture_cuda_graphs(max(args.batches)), 1)
+                        log(f"{name}: CUDA graphs captured in {report['graph_capture_s']}s")
+                    except Exception as e:  # noqa: BLE001
+                        log(f"{name}: graph capture failed: {type(e).__name__}: {e}")
+                        report["graph_capture_error"] = f"{type(e).__name__}: {e}"[:2000]
+                if "engine" in args.parts:
+                    _guarded(report, "engine", lambda: engine_part(runner, args, budget("engine"), roofline), save)
+                if "ttft" in args.parts:
+                    _guarded(report, "ttft", lambda: ttft_part(runner, args, budget("ttft")), save)
+                del runner
+                free_memory()
+        if "server" in args.parts:
+            for i, extra in enumerate(args.server_args or [""]):  # one server a variant, the first as "server"
+                log(f"{name}: server over HTTP{f' ({extra})' if extra else ''}")
+                _guarded(report, "server" if i == 0 else f"server {extra}",
+                         lambda: server_part(model, shape, args, extra, budget("server"), work), save)
+        if "peer" in args.parts:
+            log(f"{name}: llama.cpp's llama-server over HTTP")
+            _guarded(report, "peer", lambda: peer_part(model, shape, args, budget("peer"), work, conversion), save)
+    finally:
+        if isinstance(conversion, llama_peer.Conversion):
+            conversion.cancel()  # when a failure left it running
 
 
 # ---- output --------------------------------------------------------------------------------------------------
@@ -732,20 +757,19 @@ def _mem_available() -> int:
 
 
 def _work_root(need: float, explicit: Path | None = None) -> tuple[Path | None, float]:
-    """(where `need` bytes of files go, or None; the most free space seen): `explicit` if given and it has room;
-    else /dev/shm (memory speed) when it has room and leaves the host HOST_RESERVE of memory besides; else the
-    temp dir when it has room."""
-    candidates = [explicit] if explicit else [Path("/dev/shm"), Path(tempfile.gettempdir())]
-    most = 0.0
-    for root in candidates:
-        if not root.is_dir():
-            continue
-        free = shutil.disk_usage(root).free
-        most = max(most, free)
-        in_memory = explicit is None and root == Path("/dev/shm")
-        if free >= need and (not in_memory or _mem_available() - need >= HOST_RESERVE):
-            return root, free
-    return None, most
+    """(where `need` bytes of files go, or None; the most free space seen). `explicit` if given and it has room;
+    else, first that has room: /dev/shm (memory speed) if the host keeps memory for a loader's full host copy of
+    the files besides HOST_RESERVE; the temp dir; /dev/shm leaving HOST_RESERVE only."""
+    if explicit is not None:
+        free = shutil.disk_usage(explicit).free if explicit.is_dir() else 0
+        return (explicit if free >= need else None), free
+    shm, tmp = Path("/dev/shm"), Path(tempfile.gettempdir())
+    free = {p: shutil.disk_usage(p).free if p.is_dir() else 0 for p in (shm, tmp)}
+    spare = _mem_available() - need  # host memory left once the files are in /dev/shm
+    for root, ok in ((shm, spare >= need + HOST_RESERVE), (tmp, True), (shm, spare >= HOST_RESERVE)):
+        if ok and free[root] >= need:
+            return root, free[root]
+    return None, max(free.values())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -782,6 +806,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--peer-binary", type=Path, default=llama_peer.DEFAULT_BINARY, help="peer part: llama-server")
     ap.add_argument("--peer-outtype", default="f16", help="peer part: convert_hf_to_gguf.py --outtype")
     ap.add_argument("--peer-args", default=llama_peer.DEFAULT_ARGS, help="peer part: llama-server's flags")
+    ap.add_argument("--peer-convert-early", action="store_true",
+                    help="peer part: convert to GGUF (at nice 19, one core) while our parts run, not after them")
     ap.add_argument("--merge", type=Path, nargs="+",
                     help="print the markdown of these --json-out files (and write them as one JSON to --json-out)")
     ap.add_argument("--keep-model-dir", action="store_true")

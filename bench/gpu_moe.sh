@@ -22,7 +22,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PART=${1:?"usage: bench/gpu_moe.sh build|moe-ours|moe-peer-qwen|moe-peer-gptoss|dense|dense-1b|dry-run|summary [gpu.py args]"}
 shift
-OUT=${OUT:-/tmp/gpu-moe-out}
+export OUT=${OUT:-/tmp/gpu-moe-out}
 PY=${PY:-python3}
 export PEER_ROOT=${PEER_ROOT:-/tmp/emberserve-peer}
 TARBALL=${TARBALL:-.peer/llama.cpp.tar.gz}
@@ -75,8 +75,9 @@ bench() {  # name, gpu.py args...: one report
   local name=$1
   shift
   say "$name: bench/gpu.py $*"
+  # the markdown (stdout up to the JSON block, which --json-out has) to <name>.md; progress to the log and stderr
   "$PY" bench/gpu.py --json-out "$OUT/$name.json" "$@" 2> >(tee "$OUT/$name.log" >&2) \
-    | sed -n '/^```json$/q;p' >"$OUT/$name.md"
+    | sed '/^```json$/,$d' >"$OUT/$name.md" || say "$name: bench/gpu.py exited with an error (see $name.log)"
   say "$name: done; $OUT/$name.md:"
   cat "$OUT/$name.md"
 }
@@ -104,14 +105,15 @@ case "$PART" in
     build
     unpack
     shape=$([ "$PART" = moe-peer-qwen ] && echo qwen3-30b-a3b@12 || echo gpt-oss-20b-mxfp4)
-    bench "$PART" --shapes "$shape" --parts bandwidth,engine,server,peer "${ENGINE_ARGS[@]}" --ttft-prompts 128 \
-      "${SERVER_ARGS[@]}" --budget-s 540 --part-budget engine=60,server=150,peer=300 "$@" ;;
+    bench "$PART" --shapes "$shape" --parts bandwidth,engine,ttft,server,peer --peer-convert-early \
+      "${ENGINE_ARGS[@]}" --ttft-prompts 128 "${SERVER_ARGS[@]}" --budget-s 540 \
+      --part-budget engine=60,server=150,peer=300 "$@" ;;
   dense | dense-1b)
     build
     unpack
     shapes=$([ "$PART" = dense ] && echo llama-1b,llama-8b || echo llama-1b)
-    bench "$PART" --shapes "$shapes" --parts bandwidth,server,peer "${SERVER_ARGS[@]}" --budget-s 540 \
-      --part-budget server=90,peer=300 "$@" ;;
+    bench "$PART" --shapes "$shapes" --parts bandwidth,server,peer --peer-convert-early "${SERVER_ARGS[@]}" \
+      --budget-s 540 --part-budget server=90,peer=300 "$@" ;;
   dry-run)
     # the CPU: tiny shapes through every part, a llama-server for the CPU (PEER_CPU=1 builds one if missing)
     PEER_CPU=1 build

@@ -41,25 +41,47 @@ def gguf_bytes_estimate(model_dir: Path) -> int:
     return sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
 
 
-def convert(model_dir: Path, out: Path, opts: PeerOptions, timeout: float, log: Callable[[str], None]) -> dict:
-    """Run llama.cpp's converter on `model_dir` into `out`: {"convert_s", "gguf_bytes"} or {"error"}."""
-    if not (opts.source / "convert_hf_to_gguf.py").is_file():
-        return {"error": f"no llama.cpp source at {opts.source} (bench/gpu_moe.sh build unpacks it)"}
-    cmd = [sys.executable, str(HERE / "peer_convert.py"), str(opts.source), str(model_dir),
-           "--outtype", opts.outtype, "--outfile", str(out)]
-    log(f"  converting: {' '.join(cmd)}")
-    t0 = time.monotonic()
-    log_path = out.with_suffix(".convert.log")
-    try:
-        with log_path.open("wb") as f:
-            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=max(1.0, timeout))
-    except subprocess.TimeoutExpired:
-        out.unlink(missing_ok=True)
-        return {"error": f"conversion not done within {timeout:.0f}s"}
-    if proc.returncode != 0 or not out.is_file():
-        return {"error": f"converter exited with {proc.returncode}: {log_path.read_text(errors='replace')[-1500:]}"}
-    return {"convert_s": round(time.monotonic() - t0, 1), "gguf_bytes": out.stat().st_size,
-            "convert_command": cmd}
+class Conversion:
+    """llama.cpp's converter running on `model_dir` into `out`, started at once (at `nice`, so that it can run
+    beside timed work), its outcome from `result`."""
+
+    def __init__(self, model_dir: Path, out: Path, opts: PeerOptions, nice: int = 0) -> None:
+        self.out, self.log_path = out, out.with_suffix(".convert.log")
+        self.cmd = [sys.executable, str(HERE / "peer_convert.py"), str(opts.source), str(model_dir),
+                    "--outtype", opts.outtype, "--outfile", str(out)]
+        self.nice = nice
+        self.t0 = time.monotonic()
+        self.proc: subprocess.Popen | None = None
+        if not (opts.source / "convert_hf_to_gguf.py").is_file():
+            self.error = f"no llama.cpp source at {opts.source} (bench/gpu_moe.sh build unpacks it)"
+            return
+        self.error = ""
+        with self.log_path.open("wb") as f:
+            self.proc = subprocess.Popen(self.cmd, stdout=f, stderr=subprocess.STDOUT,
+                                         preexec_fn=(lambda: os.nice(nice)) if nice else None)
+
+    def result(self, timeout: float) -> dict:
+        """{"convert_s", "gguf_bytes", "convert_command"} or {"error"}, waiting at most `timeout` seconds."""
+        if self.proc is None:
+            return {"error": self.error}
+        try:
+            code = self.proc.wait(timeout=max(1.0, timeout))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            self.out.unlink(missing_ok=True)
+            return {"error": f"conversion not done within {timeout:.0f}s"}
+        if code != 0 or not self.out.is_file():
+            return {"error": f"converter exited with {code}: {self.log_path.read_text(errors='replace')[-1500:]}"}
+        return {"convert_s": round(time.monotonic() - self.t0, 1), "gguf_bytes": self.out.stat().st_size,
+                "convert_command": self.cmd, "convert_nice": self.nice}
+
+    def cancel(self) -> None:
+        """Stop it if it still runs, and remove its partial GGUF."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+            self.out.unlink(missing_ok=True)
 
 
 def _free_port() -> int:

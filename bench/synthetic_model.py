@@ -12,6 +12,8 @@ expert and projection, gpt_oss stacked `gate_up_proj` [E, H, 2I] (gate and up in
 `down_proj` [E, I, H], or, with `Shape.mxfp4`, the `*_blocks` / `*_scales` tensors of the real MXFP4 checkpoint.
 Tensors are drawn on the device one at a time (an expert at a time) and written in shards as they come, so a model
 larger than the host's free memory or twice the device's (the 61 GB qwen3-30b-a3b) never exists twice.
+
+    python bench/synthetic_model.py qwen3-moe-cpu /dev/shm/qwen3-moe-cpu        # one directory from the command line
 """
 from __future__ import annotations
 
@@ -416,3 +418,23 @@ def shape_by_name(name: str) -> Shape:
     if not layers.isdigit() or int(layers) < 1:
         raise KeyError(f"{name!r}: the layer count after @ must be a positive integer")
     return replace(SHAPES[base], layers=int(layers))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python bench/synthetic_model.py SHAPE DIR`: write one shape's directory (e.g. for bench/engine_speed.py)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("shape", help=f"one of {', '.join(SHAPES)}, or NAME@LAYERS")
+    ap.add_argument("path", type=Path)
+    ap.add_argument("--device", default="cpu", help="where the weights are drawn (cuda: faster)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    shape = shape_by_name(args.shape)
+    info = write_model_dir(shape, args.path, args.device, args.seed)
+    print(json.dumps({"path": str(info.path), "params": info.params, "weight_bytes": info.weight_bytes,
+                      "active_bytes_batch1": round(info.active_bytes)}))
+
+
+if __name__ == "__main__":
+    main()
