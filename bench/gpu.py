@@ -665,7 +665,7 @@ def _server_table(shape: dict) -> list[str]:
     if isinstance(peer_part, dict) and peer_part.get("command"):
         lines.append(f"\nllama-server ({peer_part.get('llama_server_version') or 'version unknown'}) on the "
                      f"{peer_part.get('outtype')} GGUF ({peer_part.get('gguf_bytes', 0) / 1e9:.2f} GB, converted in "
-                     f"{peer_part.get('convert_s')} s): `{' '.join(peer_part['command'][5:])}`")
+                     f"{peer_part.get('convert_s')} s): `{' '.join(peer_part['command'][9:])}`")
     return lines
 
 

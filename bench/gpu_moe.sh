@@ -15,12 +15,15 @@
 #   bash bench/gpu_moe.sh dense-1b         llama-1b only
 #   bash bench/gpu_moe.sh dry-run          every part's path on the CPU with tiny shapes (llama-server for the CPU)
 #   bash bench/gpu_moe.sh summary          $OUT/*.json as one markdown (bench/gpu.py --merge)
-# A peer part builds llama-server first when it is not there (another ~4 min). Extra arguments go to bench/gpu.py.
-# The device has no network: carry .peer (the tarball, bench/gpu_moe.sh's input) and .whl (the server's wheels,
-# installed into /tmp/site when missing). Environment: OUT, PEER_ROOT (/tmp/emberserve-peer), PY (python3), BUILD.
+# A peer part builds llama-server first when it is not there (another ~4 min); its GGUF is converted by llama.cpp's
+# convert_hf_to_gguf.py (bench/peer_convert.py) at nice 19 beside our engine and server parts. Extra arguments go to
+# bench/gpu.py (e.g. --shapes qwen3-30b-a3b@24). The device has no network: carry .peer (the tarball) and .whl (the
+# server's wheels, installed into /tmp/site when the device lacks them).
+# Environment: OUT (default /tmp/gpu-moe-out), PEER_ROOT (/tmp/emberserve-peer), PY (python3), BUILD (0: moe-ours
+# builds nothing), JOBS (build jobs), PEER_CPU (1: build for the CPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?"usage: bench/gpu_moe.sh build|moe-ours|moe-peer-qwen|moe-peer-gptoss|dense|dense-1b|dry-run|summary [gpu.py args]"}
+PART=${1:?"usage: bench/gpu_moe.sh PART [gpu.py args]: build|moe-ours|moe-peer-qwen|moe-peer-gptoss|dense|dense-1b|..."}
 shift
 export OUT=${OUT:-/tmp/gpu-moe-out}
 PY=${PY:-python3}
