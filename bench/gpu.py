@@ -10,6 +10,12 @@ For each shape (random weights at a real model's dimensions, written as a hub di
   server     `python -m server serve` on the directory, streaming /v1/completions (bench/serve.py's client) with
              token-id prompts, ignore_eos, temperature 0, at each --server-concurrency: output tokens/s, TTFT p50,
              ITL p50; --server-args passes flags through (e.g. "--max-running 128")
+  peer       llama.cpp's llama-server (bench/llama_peer.py) on the same weights, converted by its
+             convert_hf_to_gguf.py (--peer-outtype), driven by the same client at the same concurrencies
+Mixture-of-experts shapes (bench/synthetic_model.py: qwen3-30b-a3b, gpt-oss-20b[-mxfp4]) have no anchor; their
+roofline at batch B is the bandwidth over the bytes a step must read (attention, router, the experts B tokens route
+to, the LM head: synthetic_model.active_weight_bytes), so the engine rows give the fraction at every batch size.
+A shape "NAME@L" is NAME with L layers; --fit-layers cuts a shape's layers to what the work directory holds.
 Each part guards its own --part-budget (skipping the batch sizes / concurrencies left once over it), all within
 --budget-s. Progress goes to stderr; a markdown table and the JSON go to stdout; --json-out gets the JSON after
 every part, so a run cut short still leaves its results.
@@ -18,6 +24,8 @@ every part, so a run cut short still leaves its results.
     python bench/gpu.py --shapes qwen3-0.6b,gemma3-1b --parts anchor,engine,ttft
     python bench/gpu.py --device cpu --shapes tiny --batches 1,2 --decode-steps 4 --ttft-prompts 16 \\
         --server-concurrency 1,2 --server-max-tokens 8                          # CPU smoke check
+    python bench/gpu.py --merge /tmp/a.json /tmp/b.json --json-out /tmp/all.json   # one report of several runs
+bench/gpu_moe.sh runs the issue-36 benchmark (MoE shapes, the llama.cpp peer) in parts of under ten minutes.
 """
 from __future__ import annotations
 
@@ -37,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
@@ -49,11 +58,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this tree's engine, wherever it is run from (the GPU machine installs nothing)
 
 from decode_anchor import DecodeAnchor, measure as measure_anchor  # noqa: E402
-from synthetic_model import (MAX_POSITION, SHAPES, ModelDir, Shape, estimated_weight_bytes,  # noqa: E402
-                             write_model_dir)
+import llama_peer  # noqa: E402
+from synthetic_model import (MAX_POSITION, SHAPES, ModelDir, Shape, active_weight_bytes,  # noqa: E402
+                             estimated_weight_bytes, roofline_tokens_per_s, shape_by_name, write_model_dir)
 
-PARTS = ("bandwidth", "anchor", "engine", "ttft", "server")
-DEFAULT_PART_BUDGET = {"bandwidth": 15.0, "anchor": 45.0, "engine": 75.0, "ttft": 30.0, "server": 120.0}
+PARTS = ("bandwidth", "anchor", "engine", "ttft", "server", "peer")
+DEFAULT_PART_BUDGET = {"bandwidth": 15.0, "anchor": 45.0, "engine": 75.0, "ttft": 30.0, "server": 120.0,
+                       "peer": 360.0}
+GIB = 2**30
+HOST_RESERVE = 16 * GIB  # host memory a model in /dev/shm must leave to the processes that load it
 WARMUP_STEPS = 3
 START = time.monotonic()
 
@@ -166,8 +179,10 @@ def random_ids(n: int, vocab: int, rng: random.Random) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(n)]  # ids 0-2 are the special tokens
 
 
-def engine_part(runner: Any, args: argparse.Namespace, budget: Budget, roofline: float | None) -> list[dict]:
-    """Decode steps of `args.batches` rows through the public Runner API."""
+def engine_part(runner: Any, args: argparse.Namespace, budget: Budget,
+                roofline: Callable[[int], float | None]) -> list[dict]:
+    """Decode steps of `args.batches` rows through the public Runner API; `roofline(batch)`: tokens/s the
+    weights' reads allow at that batch (None: not reported)."""
     from engine.model.batch import StepRow
 
     rng = random.Random(1)
@@ -207,8 +222,9 @@ def engine_part(runner: Any, args: argparse.Namespace, budget: Budget, roofline:
             graphs = getattr(runner, "graphs", None)
             if graphs is not None and graphs.serves([StepRow(s, s.num_computed, len(s.tokens)) for s in seqs]):
                 row["graph_replay_ms"] = round(1000 * graph_replay_s(graphs, batch), 3)  # the GPU's share
-            if batch == 1 and roofline:
-                row["fraction_of_roofline"] = round(row["tokens_per_s"] / roofline, 4)
+            if roofline(batch):
+                row["roofline_tokens_per_s"] = round(roofline(batch), 1)
+                row["fraction_of_roofline"] = round(row["tokens_per_s"] / roofline(batch), 4)
             rows.append(row)
         except torch.OutOfMemoryError as e:
             rows.append({"batch": batch, "error": f"out of memory: {str(e)[:200]}"})
@@ -317,8 +333,6 @@ def server_part(model: ModelDir, shape: Shape, args: argparse.Namespace, extra: 
                 work: Path) -> dict:
     """Start the real server on the model directory (with the `serve` flags `extra`) and stream completions at
     each concurrency."""
-    import serve  # bench/serve.py: the streaming client, its percentiles and summary rows
-
     port = _free_port()
     log_path = work / f"server-{port}.log"
     cmd = [sys.executable, "-m", "server", "serve", "--model", str(model.path), "--device", args.device,
@@ -349,7 +363,7 @@ def server_part(model: ModelDir, shape: Shape, args: argparse.Namespace, extra: 
             time.sleep(0.5)
         result["startup_s"] = round(time.monotonic() - t0, 1)
         log(f"  server ready after {result['startup_s']}s")
-        result["scenarios"] = asyncio.run(_load(serve, base, shape, args, budget, proc.pid))
+        result["scenarios"] = asyncio.run(_load(base, shape, args, budget, proc.pid))
         return result
     finally:
         proc.terminate()
@@ -361,13 +375,17 @@ def server_part(model: ModelDir, shape: Shape, args: argparse.Namespace, extra: 
         result["log_tail"] = log_path.read_text(errors="replace")[-1500:] or None
 
 
-async def _load(serve: Any, base: str, shape: Shape, args: argparse.Namespace, budget: Budget,
-                server_pid: int) -> list[dict]:
+async def _load(base: str, shape: Shape, args: argparse.Namespace, budget: Budget, server_pid: int,
+                extra_body: dict[str, Any] | None = None) -> list[dict]:
+    """bench/serve.py's streaming load at each --server-concurrency against the server at `base`."""
+    import serve  # bench/serve.py: the streaming client, its percentiles and summary rows
+
+    extra_body = extra_body or {}
     limits = httpx.Limits(max_connections=max(args.server_concurrency) + 2)
     rows: list[dict] = []
     async with httpx.AsyncClient(base_url=base, timeout=max(30.0, budget.left()), limits=limits) as client:
         model = await serve.resolve_model(client, None, 30)
-        bench = serve.Bench(client, SimpleNamespace(extra_body={}, timeout=max(30.0, budget.left())), model)
+        bench = serve.Bench(client, SimpleNamespace(extra_body=extra_body, timeout=max(30.0, budget.left())), model)
         last, last_c = 0.0, 1
         for i, c in enumerate(args.server_concurrency):
             # the next level's time, guessed as the last one's scaled by concurrency (exact once --max-running caps
@@ -388,7 +406,7 @@ async def _load(serve: Any, base: str, shape: Shape, args: argparse.Namespace, b
                     await bench.request(warmup, args.server_max_tokens)
                 row = await asyncio.to_thread(serve.scenario_in_processes, base, model, f"c{c}",
                                               args.server_prompt_tokens, prompts, c, args.server_max_tokens,
-                                              max(10.0, budget.left()), processes)
+                                              max(10.0, budget.left()), processes, extra_body)
             else:
                 row, _ = await bench.scenario(f"c{c}", args.server_prompt_tokens, prompts.__getitem__, len(prompts),
                                               c, args.server_max_tokens, warmup)
@@ -424,61 +442,186 @@ def _guarded(report: dict, part: str, fn: Callable[[], Any], save: Callable[[], 
     save()
 
 
+def start_conversion(model: ModelDir, args: argparse.Namespace, work: Path, nice: int) -> llama_peer.Conversion | str:
+    """The GGUF conversion of `model` for the peer part, started now; or why it cannot be."""
+    opts: llama_peer.PeerOptions = args.peer
+    gguf = work / f"{model.path.name}-{opts.outtype}.gguf"
+    need, free = llama_peer.gguf_bytes_estimate(model.path), shutil.disk_usage(work).free
+    if free < 1.02 * need + GIB:
+        return f"no room for the GGUF in {work}: {need / 1e9:.1f} GB needed, {free / 1e9:.1f} free"
+    conversion = llama_peer.Conversion(model.path, gguf, opts, nice)
+    log(f"  converting to {gguf.name}{f' (nice {nice}, beside the other parts)' if nice else ''}: "
+        f"{' '.join(conversion.cmd)}")
+    return conversion
+
+
+def peer_part(model: ModelDir, shape: Shape, args: argparse.Namespace, budget: Budget, work: Path,
+              conversion: llama_peer.Conversion | str | None) -> dict:
+    """llama.cpp's llama-server on the same weights: the directory converted to a GGUF beside it (`conversion`,
+    started earlier, or now), served, and driven with the server part's load (same prompts, same bodies,
+    `repeat_penalty` 1 spelled out)."""
+    opts: llama_peer.PeerOptions = args.peer
+    if not opts.binary.is_file():
+        if isinstance(conversion, llama_peer.Conversion):
+            conversion.cancel()
+        return {"error": f"no llama-server at {opts.binary} (bench/gpu_moe.sh build)"}
+    result: dict[str, Any] = {"llama_server_version": llama_peer.version(opts), "outtype": opts.outtype}
+    if conversion is None:
+        conversion = start_conversion(model, args, work, nice=0)
+    if isinstance(conversion, str):
+        return result | {"error": conversion}
+    gguf = conversion.out
+    result |= conversion.result(budget.left())
+    if "error" in result:
+        return result
+    log(f"  converted in {result['convert_s']}s: {result['gguf_bytes'] / 1e9:.2f} GB")
+    _wait_for_device_memory(args)
+    try:
+        with llama_peer.LlamaServer(gguf, opts, work / f"{gguf.stem}.server.log") as server:
+            result["command"] = server.cmd
+            result["startup_s"] = server.start(max(1.0, budget.left()), log)
+            log(f"  llama-server ready after {result['startup_s']}s")
+            assert server.proc is not None
+            result["scenarios"] = asyncio.run(_load(server.base, shape, args, budget, server.proc.pid,
+                                                    {"repeat_penalty": 1.0}))
+            result["log_tail"] = server.tail(1000)
+    except RuntimeError as e:
+        result["error"] = str(e)[:2000]
+        log(f"  {result['error'][:500]}")
+    finally:
+        if not args.keep_model_dir:
+            gguf.unlink(missing_ok=True)
+    return result
+
+
+def _wait_for_device_memory(args: argparse.Namespace, within_s: float = 30.0) -> None:
+    """Until the device's memory is mostly free again (a server that just exited releases it late)."""
+    if not args.device.startswith("cuda"):
+        return
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        free, total = torch.cuda.mem_get_info()
+        if free > 0.9 * total:
+            return
+        time.sleep(0.5)
+    log(f"  device memory still {torch.cuda.mem_get_info()[0] / GIB:.1f} GiB free after {within_s:.0f}s")
+
+
+def place_shape(shape: Shape, args: argparse.Namespace) -> tuple[Shape, Path | None, str | None]:
+    """(the shape, maybe with fewer layers under --fit-layers; the directory to write it in, or None; a note):
+    room for its safetensors, plus its GGUF when the peer runs."""
+    copies = 2 if "peer" in args.parts else 1
+
+    def need(s: Shape) -> float:
+        return copies * 1.02 * estimated_weight_bytes(s) + GIB
+
+    root, free = _work_root(need(shape), args.work_dir)
+    if root is not None:
+        return shape, root, None
+    note = f"{need(shape) / 1e9:.1f} GB needed ({copies} copies), the most free is {free / 1e9:.1f} GB"
+    if not args.fit_layers:
+        return shape, None, note
+    step = 2 if shape.gpt_oss else 1  # gpt_oss's layers alternate sliding and full
+    layers = shape.layers - step
+    while layers >= step and _work_root(need(replace(shape, layers=layers)), args.work_dir)[0] is None:
+        layers -= step
+    if layers < step:
+        return shape, None, note
+    fitted = replace(shape, layers=layers)
+    return fitted, _work_root(need(fitted), args.work_dir)[0], f"{shape.layers} layers cut to {layers}: {note}"
+
+
 def run_shape(name: str, args: argparse.Namespace, device: torch.device, bandwidth: dict | None, total: Budget,
-              work: Path, save: Callable[[], None], report: dict) -> None:
-    shape = SHAPES[name]
+              save: Callable[[], None], report: dict) -> None:
+    shape, root, note = place_shape(shape_by_name(name), args)
+    if note:
+        report["placement"] = note
+        log(f"{name}: {note}")
+    if root is None:
+        report["skipped"] = "no room for the model"
+        return
+    work = Path(tempfile.mkdtemp(prefix="emberserve-gpu-bench-", dir=root))
+    try:
+        _run_shape_in(name, shape, args, device, bandwidth, total, save, report, work)
+    finally:
+        if not args.keep_model_dir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _run_shape_in(name: str, shape: Shape, args: argparse.Namespace, device: torch.device, bandwidth: dict | None,
+                  total: Budget, save: Callable[[], None], report: dict, work: Path) -> None:
     t0 = time.monotonic()
-    log(f"{name}: writing random weights")
-    model = write_model_dir(shape, work / name, device)
-    report |= {"weight_bytes": model.weight_bytes, "params": model.params, "write_s": round(time.monotonic() - t0, 1)}
-    roofline = bandwidth["best_gb_s"] * 1e9 / model.weight_bytes if bandwidth else None
-    report["roofline_tokens_per_s_batch1"] = round(roofline, 1) if roofline else None
-    log(f"{name}: {model.params / 1e9:.3f} B parameters, {model.weight_bytes / 1e9:.3f} GB of weights"
-        + (f", roofline {roofline:.0f} tok/s at batch 1" if roofline else ""))
+    log(f"{name}: writing random weights ({estimated_weight_bytes(shape) / 1e9:.2f} GB, {shape.layers} layers) "
+        f"in {work}")
+    model = write_model_dir(shape, work / name.replace("@", "-l"), device)
+    report |= {"layers": shape.layers, "weight_bytes": model.weight_bytes, "params": model.params,
+               "active_bytes_batch1": round(active_weight_bytes(shape)), "write_s": round(time.monotonic() - t0, 1)}
+    save()
+
+    def roofline(batch: int) -> float | None:
+        """Weights-read tokens/s at `batch`: batch 1 for every shape, every batch for MoE (expected experts)."""
+        if not bandwidth or (batch > 1 and not shape.moe):
+            return None
+        return roofline_tokens_per_s(shape, bandwidth["best_gb_s"], batch)
+
+    report["roofline_tokens_per_s_batch1"] = round(roofline(1), 1) if roofline(1) else None
+    log(f"{name}: {model.params / 1e9:.3f} B parameters, {model.weight_bytes / 1e9:.3f} GB of weights, "
+        f"{active_weight_bytes(shape) / 1e9:.3f} GB read per token at batch 1, written in {report['write_s']}s"
+        + (f", roofline {roofline(1):.0f} tok/s at batch 1" if roofline(1) else ""))
 
     def budget(part: str) -> Budget:
         return Budget(args.part_budget[part], within=total)
 
-    if "anchor" in args.parts:
-        log(f"{name}: anchor (bare PyTorch decode loop)")
-        _guarded(report, "anchor", lambda: anchor_part(shape, device, args, budget("anchor"), roofline), save)
-    if {"engine", "ttft"} & set(args.parts):
-        from engine import load_runner
+    conversion = None  # the peer's GGUF, converted beside our parts when --peer-convert-early
+    if "peer" in args.parts and args.peer_convert_early:
+        conversion = start_conversion(model, args, work, nice=19)
+    try:
+        if "anchor" in args.parts and shape.moe:
+            report["anchor"] = {"skipped": "the anchor is a dense decoder"}
+        elif "anchor" in args.parts:
+            log(f"{name}: anchor (bare PyTorch decode loop)")
+            _guarded(report, "anchor", lambda: anchor_part(shape, device, args, budget("anchor"), roofline(1)), save)
+        if {"engine", "ttft"} & set(args.parts):
+            from engine import load_runner
 
-        t1 = time.monotonic()
-        try:
-            runner = load_runner(str(model.path), device=device,
-                                 dtype=torch.bfloat16 if device.type == "cuda" else None, quant=args.quant,
-                                 kv_cache_memory=kv_memory(shape, args, 2 if device.type == "cuda" else 4))
-        except Exception as e:  # noqa: BLE001
-            log(f"{name}: engine failed to load: {type(e).__name__}: {e}")
-            report["engine_load_error"] = f"{type(e).__name__}: {e}"[:2000]
-            runner = None
-        if runner is not None:
-            report["engine_load_s"] = round(time.monotonic() - t1, 1)
-            report["engine_quant"] = runner.quant
-            log(f"{name}: engine loaded in {report['engine_load_s']}s ({runner.dtype}, "
-                f"{runner.blocks.num_blocks} KV blocks)")
-            if device.type == "cuda" and not args.no_cuda_graphs:
-                try:
-                    report["graph_capture_s"] = round(runner.capture_cuda_graphs(max(args.batches)), 1)
-                    log(f"{name}: CUDA graphs captured in {report['graph_capture_s']}s")
-                except Exception as e:  # noqa: BLE001
-                    log(f"{name}: graph capture failed: {type(e).__name__}: {e}")
-                    report["graph_capture_error"] = f"{type(e).__name__}: {e}"[:2000]
-            if "engine" in args.parts:
-                _guarded(report, "engine", lambda: engine_part(runner, args, budget("engine"), roofline), save)
-            if "ttft" in args.parts:
-                _guarded(report, "ttft", lambda: ttft_part(runner, args, budget("ttft")), save)
-            del runner
-            free_memory()
-    if "server" in args.parts:
-        for i, extra in enumerate(args.server_args or [""]):  # one server a variant, the first as "server"
-            log(f"{name}: server over HTTP{f' ({extra})' if extra else ''}")
-            _guarded(report, "server" if i == 0 else f"server {extra}",
-                     lambda: server_part(model, shape, args, extra, budget("server"), work), save)
-    if not args.keep_model_dir:
-        shutil.rmtree(model.path, ignore_errors=True)
+            t1 = time.monotonic()
+            try:
+                runner = load_runner(str(model.path), device=device,
+                                     dtype=torch.bfloat16 if device.type == "cuda" else None, quant=args.quant,
+                                     kv_cache_memory=kv_memory(shape, args, 2 if device.type == "cuda" else 4))
+            except Exception as e:  # noqa: BLE001
+                log(f"{name}: engine failed to load: {type(e).__name__}: {e}")
+                report["engine_load_error"] = f"{type(e).__name__}: {e}"[:2000]
+                runner = None
+            if runner is not None:
+                report["engine_load_s"] = round(time.monotonic() - t1, 1)
+                report["engine_quant"] = runner.quant
+                log(f"{name}: engine loaded in {report['engine_load_s']}s ({runner.dtype}, "
+                    f"{runner.blocks.num_blocks} KV blocks)")
+                if device.type == "cuda" and not args.no_cuda_graphs:
+                    try:
+                        report["graph_capture_s"] = round(runner.capture_cuda_graphs(max(args.batches)), 1)
+                        log(f"{name}: CUDA graphs captured in {report['graph_capture_s']}s")
+                    except Exception as e:  # noqa: BLE001
+                        log(f"{name}: graph capture failed: {type(e).__name__}: {e}")
+                        report["graph_capture_error"] = f"{type(e).__name__}: {e}"[:2000]
+                if "engine" in args.parts:
+                    _guarded(report, "engine", lambda: engine_part(runner, args, budget("engine"), roofline), save)
+                if "ttft" in args.parts:
+                    _guarded(report, "ttft", lambda: ttft_part(runner, args, budget("ttft")), save)
+                del runner
+                free_memory()
+        if "server" in args.parts:
+            for i, extra in enumerate(args.server_args or [""]):  # one server a variant, the first as "server"
+                log(f"{name}: server over HTTP{f' ({extra})' if extra else ''}")
+                _guarded(report, "server" if i == 0 else f"server {extra}",
+                         lambda: server_part(model, shape, args, extra, budget("server"), work), save)
+        if "peer" in args.parts:
+            log(f"{name}: llama.cpp's llama-server over HTTP")
+            _guarded(report, "peer", lambda: peer_part(model, shape, args, budget("peer"), work, conversion), save)
+    finally:
+        if isinstance(conversion, llama_peer.Conversion):
+            conversion.cancel()  # when a failure left it running
 
 
 # ---- output --------------------------------------------------------------------------------------------------
@@ -491,35 +634,82 @@ def _cell(row: dict | None) -> str:
     return "skipped" if "skipped" in row else "error"
 
 
+def _scenarios(part: Any) -> dict[int, dict]:
+    if not isinstance(part, dict):
+        return {}
+    return {r["concurrency"]: r for r in part.get("scenarios", []) if "output_tok_s" in r}
+
+
+def _server_table(shape: dict) -> list[str]:
+    """Our server's and llama-server's rows side by side, per concurrency."""
+    ours, peer = _scenarios(shape.get("server")), _scenarios(shape.get("peer"))
+    lines = []
+    for key, label in (("server", "emberserve server"), ("peer", "llama.cpp llama-server")):
+        part = shape.get(key)
+        if isinstance(part, dict) and part.get("error"):
+            lines.append(f"\n{label} failed: {part['error'][:300]}")
+    if not ours and not peer:
+        return lines
+    lines += ["\n| concurrency | emberserve tok/s | TTFT p50 ms | ITL p50 ms | llama-server tok/s | TTFT p50 ms "
+              "| ITL p50 ms | ratio |", "|---|---|---|---|---|---|---|---|"]
+    for c in sorted(ours.keys() | peer.keys()):
+        o, p = ours.get(c, {}), peer.get(c, {})
+        ratio = (f"{o['output_tok_s'] / p['output_tok_s']:.2f}×" if o.get("output_tok_s") and p.get("output_tok_s")
+                 else "")
+        errors = sum(r.get("errors", 0) for r in (o, p))
+        cells = [o.get("output_tok_s"), o.get("ttft_p50_ms"), o.get("itl_p50_ms"),
+                 p.get("output_tok_s"), p.get("ttft_p50_ms"), p.get("itl_p50_ms")]
+        lines.append(f"| {c} | " + " | ".join("-" if x is None else str(x) for x in cells)
+                     + f" | {ratio}{f' ({errors} errors)' if errors else ''} |")
+    peer_part = shape.get("peer")
+    if isinstance(peer_part, dict) and peer_part.get("command"):
+        lines.append(f"\nllama-server ({peer_part.get('llama_server_version') or 'version unknown'}) on the "
+                     f"{peer_part.get('outtype')} GGUF ({peer_part.get('gguf_bytes', 0) / 1e9:.2f} GB, converted in "
+                     f"{peer_part.get('convert_s')} s): `{' '.join(peer_part['command'][9:])}`")
+    return lines
+
+
 def markdown(report: dict) -> str:
     lines = []
     bw = report.get("bandwidth")
     env = report["environment"]
-    lines.append(f"## emberserve on {env.get('gpu', env['device'])} (torch {env['torch']}, triton {env['triton']})")
+    lines.append(f"## emberserve on {env.get('gpu', env['device'])} (torch {env['torch']}, triton {env['triton']}, "
+                 f"commit {env.get('git_commit') or 'unknown'})")
     if bw:
         lines.append(f"\ncopy bandwidth: {bw['best_gb_s']:,} GB/s best, {bw['median_gb_s']:,} GB/s median")
     batches = report["parameters"]["batches"]
     for name, shape in report["shapes"].items():
-        lines.append(f"\n### {name}: {shape.get('params', 0) / 1e6:,.1f} M parameters, "
-                     f"{shape.get('weight_bytes', 0) / 1e9:.3f} GB of weights")
+        lines.append(f"\n### {name}: {shape.get('layers', '?')} layers, {shape.get('params', 0) / 1e6:,.1f} M "
+                     f"parameters, {shape.get('weight_bytes', 0) / 1e9:.3f} GB of weights, "
+                     f"{shape.get('active_bytes_batch1', 0) / 1e9:.3f} GB read per token at batch 1")
+        for key in ("placement", "skipped"):
+            if shape.get(key):
+                lines.append(f"\n{key}: {shape[key]}")
         lines.append("\n| tokens/s (ms/step) | " + " | ".join(f"batch {b}" for b in batches) + " |")
         lines.append("|---|" + "---|" * len(batches))
-        if shape.get("roofline_tokens_per_s_batch1"):
+        engine = shape.get("engine") if isinstance(shape.get("engine"), list) else []
+        rooflines = {r["batch"]: r.get("roofline_tokens_per_s") for r in engine if "batch" in r}
+        if any(rooflines.values()):
+            lines.append("| weights-read roofline | " + " | ".join(
+                f"{rooflines[b]:,.0f}" if rooflines.get(b) else "" for b in batches) + " |")
+        elif shape.get("roofline_tokens_per_s_batch1"):
             lines.append(f"| weights-read roofline | {shape['roofline_tokens_per_s_batch1']:,.0f} |"
                          + " |" * (len(batches) - 1))
         anchor_mode = next((r["mode"] for r in shape.get("anchor", []) if isinstance(r, dict) and "mode" in r), "")
         for part, label in (("anchor", f"bare PyTorch loop ({anchor_mode.replace('_', ' ')})"),
                             ("engine", "emberserve Runner.step")):
-            if isinstance(shape.get(part), dict):  # the part failed
-                lines.append(f"| {label} | {shape[part]['error'][:200]} |" + " |" * (len(batches) - 1))
+            if isinstance(shape.get(part), dict):  # the part failed or was skipped
+                why = shape[part].get("error") or shape[part].get("skipped") or ""
+                lines.append(f"| {label} | {why[:200]} |" + " |" * (len(batches) - 1))
             elif part in shape:
                 by_batch = {r["batch"]: r for r in shape[part]}
                 lines.append(f"| {label} | " + " | ".join(_cell(by_batch.get(b)) for b in batches) + " |")
         for part in ("anchor", "engine"):
             rows = shape.get(part)
-            first = next((r for r in rows if r.get("fraction_of_roofline")), None) if isinstance(rows, list) else None
-            if first:
-                lines.append(f"\n{part} at batch 1: {100 * first['fraction_of_roofline']:.1f}% of the roofline")
+            fractions = [r for r in rows if r.get("fraction_of_roofline")] if isinstance(rows, list) else []
+            if fractions:
+                lines.append(f"\n{part}: " + ", ".join(f"batch {r['batch']} {100 * r['fraction_of_roofline']:.1f}%"
+                                                      for r in fractions) + " of the roofline")
         if shape.get("engine_load_error"):
             lines.append(f"\nengine load failed: {shape['engine_load_error'][:300]}")
         ttft = shape.get("ttft")
@@ -528,21 +718,15 @@ def markdown(report: dict) -> str:
                 f"{r['prompt_tokens']} tokens {r['ttft_ms']} ms" for r in ttft if r.get("ttft_ms")))
         elif ttft:
             lines.append(f"\nTTFT failed: {ttft['error'][:300]}")
-        for key, server in shape.items():
-            if not key.startswith("server") or not isinstance(server, dict):
+        lines += _server_table(shape)
+        for key, server in shape.items():  # further server variants (--server-args given twice or more)
+            if not key.startswith("server ") or not isinstance(server, dict):
                 continue
-            flags = " ".join(server.get("command", [])[12:]) or "default flags"
-            if server.get("error"):
-                lines.append(f"\nserver ({flags}): {server['error'][:300]}")
-            if server.get("scenarios"):
-                lines.append(f"\n| server ({flags}), concurrency | output tok/s | TTFT p50 ms | ITL p50 ms | errors |")
-                lines.append("|---|---|---|---|---|")
+            lines.append(f"\n| server ({key[7:]}), concurrency | output tok/s | TTFT p50 ms | ITL p50 ms | errors |")
+            lines.append("|---|---|---|---|---|")
             for r in server.get("scenarios", []):
-                if "skipped" in r:
-                    lines.append(f"| {r['concurrency']} | skipped | | | |")
-                else:
-                    lines.append(f"| {r['concurrency']} | {r['output_tok_s']} | {r['ttft_p50_ms']} | "
-                                 f"{r['itl_p50_ms']} | {r['errors']} |")
+                lines.append(f"| {r['concurrency']} | " + ("skipped | | | |" if "skipped" in r else
+                             f"{r['output_tok_s']} | {r['ttft_p50_ms']} | {r['itl_p50_ms']} | {r['errors']} |"))
     return "\n".join(lines)
 
 
@@ -562,12 +746,30 @@ def _part_budgets(text: str) -> dict[str, float]:
     return budgets
 
 
-def _work_root(weight_bytes: int) -> Path:
-    """/dev/shm when it has room (writing and reading the weights at memory speed), else the temp dir."""
-    shm = Path("/dev/shm")
-    if shm.is_dir() and shutil.disk_usage(shm).free > 3 * weight_bytes:
-        return shm
-    return Path(tempfile.gettempdir())
+def _mem_available() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _work_root(need: float, explicit: Path | None = None) -> tuple[Path | None, float]:
+    """(where `need` bytes of files go, or None; the most free space seen). `explicit` if given and it has room;
+    else, first that has room: /dev/shm (memory speed) if the host keeps memory for a loader's full host copy of
+    the files besides HOST_RESERVE; the temp dir; /dev/shm leaving HOST_RESERVE only."""
+    if explicit is not None:
+        free = shutil.disk_usage(explicit).free if explicit.is_dir() else 0
+        return (explicit if free >= need else None), free
+    shm, tmp = Path("/dev/shm"), Path(tempfile.gettempdir())
+    free = {p: shutil.disk_usage(p).free if p.is_dir() else 0 for p in (shm, tmp)}
+    spare = _mem_available() - need  # host memory left once the files are in /dev/shm
+    for root, ok in ((shm, spare >= need + HOST_RESERVE), (tmp, True), (shm, spare >= HOST_RESERVE)):
+        if ok and free[root] >= need:
+            return root, free[root]
+    return None, max(free.values())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -597,6 +799,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="per shape and part, e.g. anchor=30,server=200 (defaults: "
                          + ", ".join(f"{k}={v:g}" for k, v in DEFAULT_PART_BUDGET.items()) + ")")
     ap.add_argument("--work-dir", type=Path, help="where the model directories go (default /dev/shm or the temp dir)")
+    ap.add_argument("--fit-layers", action="store_true",
+                    help="a shape whose files do not fit the work directory runs with as many layers as fit")
+    ap.add_argument("--peer-source", type=Path, default=llama_peer.DEFAULT_SOURCE,
+                    help="peer part: the llama.cpp source (its convert_hf_to_gguf.py and gguf-py)")
+    ap.add_argument("--peer-binary", type=Path, default=llama_peer.DEFAULT_BINARY, help="peer part: llama-server")
+    ap.add_argument("--peer-outtype", default="f16", help="peer part: convert_hf_to_gguf.py --outtype")
+    ap.add_argument("--peer-args", default=llama_peer.DEFAULT_ARGS, help="peer part: llama-server's flags")
+    ap.add_argument("--peer-convert-early", action="store_true",
+                    help="peer part: convert to GGUF (at nice 19, one core) while our parts run, not after them")
+    ap.add_argument("--merge", type=Path, nargs="+",
+                    help="print the markdown of these --json-out files (and write them as one JSON to --json-out)")
     ap.add_argument("--keep-model-dir", action="store_true")
     ap.add_argument("--json-out", type=Path, help="write the JSON here (after every part)")
     ap.add_argument("--quant", choices=["none", "int8", "int4"], default=None,
@@ -608,8 +821,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.shapes = [s for s in args.shapes.split(",") if s]
     args.parts = [p for p in args.parts.split(",") if p]
     for s in args.shapes:
-        if s not in SHAPES:
-            ap.error(f"unknown shape {s!r}; shapes: {', '.join(SHAPES)}")
+        try:
+            shape_by_name(s)
+        except KeyError as e:
+            ap.error(str(e))
     for p in args.parts:
         if p not in PARTS:
             ap.error(f"unknown part {p!r}; parts: {', '.join(PARTS)}")
@@ -617,16 +832,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("batch sizes and concurrencies must be >= 1")
     if args.bandwidth_gib is None:
         args.bandwidth_gib = 0.25 if args.device == "cpu" else 4.0
+    args.peer = llama_peer.PeerOptions(args.peer_source, args.peer_binary, args.peer_outtype, args.peer_args)
     return args
+
+
+def merge(paths: list[Path], json_out: Path | None) -> None:
+    """The markdown of several runs' reports, one after another; their JSON as one list."""
+    reports = [json.loads(p.read_text()) for p in paths]
+    print("\n\n".join(markdown(r) for r in reports))
+    if json_out:
+        json_out.write_text(json.dumps({"reports": reports}, indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.merge:
+        merge(args.merge, args.json_out)
+        return
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but torch sees no CUDA device (use --device cpu for the smoke check)")
     total = Budget(args.budget_s)
-    params = {k: v for k, v in vars(args).items() if k not in ("json_out", "work_dir")}
+    params = {k: v for k, v in vars(args).items() if k not in ("json_out", "work_dir", "merge")}
     report: dict[str, Any] = {"timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
                               "environment": environment(device), "parameters": params, "shapes": {}}
 
@@ -639,21 +866,17 @@ def main(argv: list[str] | None = None) -> None:
         report["bandwidth"] = copy_bandwidth(device, args.bandwidth_gib)
         log(f"copy bandwidth: {report['bandwidth']}")
         save()
-    root = args.work_dir or _work_root(max(estimated_weight_bytes(SHAPES[s]) for s in args.shapes))
-    work = Path(tempfile.mkdtemp(prefix="emberserve-gpu-bench-", dir=root))
     try:
         for name in args.shapes:
             if not total.allows():
                 report["shapes"][name] = {"skipped": "over --budget-s"}
                 continue
             report["shapes"][name] = {}
-            run_shape(name, args, device, report.get("bandwidth"), total, work, save, report["shapes"][name])
+            run_shape(name, args, device, report.get("bandwidth"), total, save, report["shapes"][name])
             save()
     finally:
         report["wall_s"] = round(time.monotonic() - START, 1)
         save()
-        if not args.keep_model_dir:
-            shutil.rmtree(work, ignore_errors=True)
     log(f"done in {report['wall_s']}s")
     print(markdown(report))
     print("\n```json\n" + json.dumps(report, indent=2, default=str) + "\n```")
