@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, get_args
 
@@ -150,14 +151,31 @@ def _gemma3_layer_pattern(num_layers: int) -> list[bool]:
     return [(i + 1) % GEMMA3_GLOBAL_EVERY != 0 for i in range(num_layers)]
 
 
-def config_from_gguf(meta: dict[str, Any], has_output_tensor: bool) -> ModelConfig:
-    """Build the config from GGUF metadata; fields the file does not carry take the family defaults."""
+# GGUF architectures (llama.cpp's names) → families; llama.cpp converts Mixtral as "llama" with experts.
+_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "qwen3moe": "qwen3_moe",
+               "qwen2moe": "qwen2_moe", "olmoe": "olmoe", "gpt-oss": "gpt_oss"}
+# The routers' top-k renormalisation llama.cpp hard-codes per architecture (its `norm_w` argument of
+# build_moe_ffn), used when a file has no `expert_weights_norm`.
+_GGUF_RENORMALIZE = {"qwen3_moe": True, "qwen2_moe": False, "mixtral": True, "olmoe": False}
+_GGUF_GATING_SOFTMAX = 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+
+
+def config_from_gguf(meta: dict[str, Any], has_output_tensor: bool,
+                     tensor_names: Collection[str] | None = None) -> ModelConfig:
+    """Build the config from GGUF metadata; fields the file does not carry take the family defaults.
+
+    `tensor_names` (the file's tensors), when given, tells what the metadata does not: which layers of a mixture
+    of experts are dense (no router: `blk.N.ffn_gate_inp`) and whether attention has biases."""
     arch = str(meta.get("general.architecture", ""))
-    if arch not in FAMILIES:
-        raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(FAMILIES)}")
+    family = _GGUF_ARCHS.get(arch)
 
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
+
+    if family == "llama" and int(get("expert_count") or 0) > 0:
+        family = "mixtral"
+    if family is None:
+        raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_GGUF_ARCHS)}")
 
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
     kv_heads = get("attention.head_count_kv", heads)
@@ -173,57 +191,95 @@ def config_from_gguf(meta: dict[str, Any], has_output_tensor: bool) -> ModelConf
     scaling = None
     if get("rope.scaling.type") == "linear" and get("rope.scaling.factor"):
         scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-    if arch == "gemma3":
+    elif get("rope.scaling.type") == "yarn" and get("rope.scaling.factor"):
+        scaling = _gguf_yarn(get, family)
+    if family == "gemma3":
         return ModelConfig(
             family="gemma3", **common, rope=RopeConfig(float(get("rope.freq_base", 1_000_000.0)), scaling),
             local_rope=RopeConfig(GEMMA3_LOCAL_ROPE_THETA), qk_norm=True, hidden_act="gelu_tanh",
             embed_scale=math.sqrt(hidden), query_scale=1.0 / math.sqrt(head_dim), sandwich_norms=True,
             sliding_window=int(get("attention.sliding_window", 512)), layer_is_sliding=_gemma3_layer_pattern(num_layers),
         )
+    if family in MOE_FAMILIES:
+        rope = RopeConfig(float(get("rope.freq_base", 150_000.0 if family == "gpt_oss" else 10_000.0)), scaling)
+        return _moe_config_from_gguf(family, get, common, rope, tensor_names)
     # llama3 frequency scaling travels as the `rope_freqs.weight` tensor in GGUF, applied by the weight loader.
     return ModelConfig(
-        family=arch, **common, rope=RopeConfig(float(get("rope.freq_base", 10_000.0)), scaling),
-        attention_bias=arch == "qwen2", qk_norm=arch == "qwen3",
+        family=family, **common, rope=RopeConfig(float(get("rope.freq_base", 10_000.0)), scaling),
+        attention_bias=family == "qwen2", qk_norm=family == "qwen3",
     )
 
 
-# llama.cpp's names of the yarn settings, under `{arch}.rope.scaling.`, and transformers' names for them.
-_GGUF_YARN_KEYS = {"yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow",
-                   "yarn_log_multiplier": "mscale_all_dim"}
-# Families whose yarn ramp is not rounded to whole dimensions (transformers' `truncate`: False in their config.json);
-# GGUF has no key for it (llama.cpp always rounds).
-_YARN_UNTRUNCATED = ("gpt-oss", "gpt_oss")
-
-
-def gguf_rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
-    """The `RopeConfig.scaling` of a GGUF's `{arch}.rope.scaling.*` metadata (llama.cpp's keys): linear or yarn
-    (factor, original_context_length, the optional yarn_beta_fast / yarn_beta_slow, llama.cpp's defaults 32 and 1,
-    yarn_log_multiplier as mscale_all_dim, attn_factor multiplying the attention factor); None for no scaling."""
-    def get(key: str) -> Any:
-        return meta.get(f"{arch}.rope.scaling.{key}")
-
-    kind, factor = get("type"), get("factor")
-    if kind == "linear" and factor:
-        return {"rope_type": "linear", "factor": float(factor)}
-    if kind != "yarn" or not factor:
-        return None
-    if get("original_context_length") is None:
-        raise UnsupportedModelError(f"{arch}: yarn rope scaling without rope.scaling.original_context_length")
-    scaling: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor), "beta_fast": 32.0, "beta_slow": 1.0,
-                               "original_max_position_embeddings": int(get("original_context_length"))}
-    for key, name in _GGUF_YARN_KEYS.items():
-        if get(key) is not None:
-            scaling[name] = float(get(key))
-    if "mscale_all_dim" in scaling:
-        scaling["mscale"] = 1.0  # llama.cpp's reading of yarn_log_multiplier
-    extra = float(get("attn_factor") or 1.0)  # llama.cpp multiplies yarn's attention factor by it
-    if extra != 1.0:
-        def mscale(m: float) -> float:
-            return 1.0 if scaling["factor"] <= 1 else 0.1 * m * math.log(scaling["factor"]) + 1.0
-        scaling["attention_factor"] = extra * mscale(1.0) / mscale(scaling.get("mscale_all_dim", 1.0))
-    if arch in _YARN_UNTRUNCATED:
+def _gguf_yarn(get: Any, family: str) -> dict[str, Any]:
+    """YaRN rope scaling from llama.cpp's `rope.scaling.*` keys, as Hugging Face's `rope_scaling` has it."""
+    scaling: dict[str, Any] = {"rope_type": "yarn", "factor": float(get("rope.scaling.factor")),
+                               "beta_fast": float(get("rope.scaling.yarn_beta_fast", 32.0)),
+                               "beta_slow": float(get("rope.scaling.yarn_beta_slow", 1.0))}
+    if get("rope.scaling.original_context_length"):
+        scaling["original_max_position_embeddings"] = int(get("rope.scaling.original_context_length"))
+    if get("rope.scaling.yarn_attn_factor") is not None:
+        scaling["attention_factor"] = float(get("rope.scaling.yarn_attn_factor"))
+    if family == "gpt_oss":  # its config.json's rope_scaling says truncate: false, which GGUF does not carry
         scaling["truncate"] = False
     return scaling
+
+
+def _one_width(value: Any, what: str) -> int:
+    """A width llama.cpp may store per layer (an array): mixtures of experts here have one for all layers."""
+    if isinstance(value, list):
+        widths = {int(v) for v in value if int(v)}
+        if len(widths) != 1:
+            raise UnsupportedModelError(f"{what} differs between layers: {sorted(widths)}")
+        return widths.pop()
+    return int(value)
+
+
+def _moe_config_from_gguf(family: str, get: Any, common: dict[str, Any], rope: RopeConfig,
+                          tensor_names: Collection[str] | None) -> ModelConfig:
+    """A mixture-of-experts family's config from GGUF metadata, with llama.cpp's defaults for what it omits."""
+    num_layers = common["num_layers"]
+    experts, top_k = int(get("expert_count") or 0), int(get("expert_used_count") or 0)
+    if experts < 1 or not 1 <= top_k <= experts:
+        raise UnsupportedModelError(f"{family}: {top_k} experts per token of {experts} is not a mixture of experts")
+    gating = get("expert_gating_func")
+    if gating is not None and int(gating) != _GGUF_GATING_SOFTMAX and family != "gpt_oss":
+        raise UnsupportedModelError(f"{family}: expert gating function {gating} is not supported (softmax only)")
+    # llama.cpp's fallback when the expert width is missing: the dense width shared out among the used experts
+    fallback = common["intermediate_size"] if family in ("mixtral", "olmoe", "gpt_oss") \
+        else common["intermediate_size"] // top_k
+    expert_ff = _one_width(get("expert_feed_forward_length") or fallback, "expert_feed_forward_length")
+    names = set(tensor_names) if tensor_names is not None else None
+    dense = () if names is None else tuple(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names)
+
+    def has_bias(default: bool) -> bool:
+        return default if names is None else "blk.0.attn_q.bias" in names
+
+    if family == "gpt_oss":
+        window = int(get("attention.sliding_window") or 128)
+        return ModelConfig(
+            family=family, **common, rope=rope, attention_bias=has_bias(True),
+            o_proj_bias=True if names is None else "blk.0.attn_output.bias" in names, attention_sinks=True,
+            sliding_window=window, layer_is_sliding=_gguf_sliding_layers(get("attention.sliding_window_pattern"),
+                                                                          num_layers),
+            moe=MoEConfig(experts, top_k, expert_ff, router="topk_softmax", router_bias=True, expert_bias=True,
+                          activation="swiglu_clamp", dense_layers=dense))
+    renormalize = bool(get("expert_weights_norm", _GGUF_RENORMALIZE[family]))
+    shared = 0
+    if family == "qwen2_moe":  # llama.cpp: the shared expert is as wide as the dense MLP unless the file says
+        shared = int(get("expert_shared_feed_forward_length") or common["intermediate_size"])
+    moe = MoEConfig(experts, top_k, expert_ff, renormalize=renormalize, shared_intermediate=shared,
+                    dense_layers=dense)
+    return ModelConfig(family=family, **common, rope=rope, moe=moe, qk_norm=family in ("qwen3_moe", "olmoe"),
+                       qk_norm_per_head=family != "olmoe", attention_bias=has_bias(family == "qwen2_moe"))
+
+
+def _gguf_sliding_layers(pattern: Any, num_layers: int) -> list[bool]:
+    """Which layers slide: llama.cpp's `attention.sliding_window_pattern` (a flag per layer, or every n-th layer
+    full), by default every other layer from the first (gpt-oss)."""
+    if isinstance(pattern, list):
+        return [bool(p) for p in pattern]
+    n = int(pattern or 2)
+    return [n == 0 or i % n < n - 1 for i in range(num_layers)]
 
 
 def _hf_rope(cfg: dict[str, Any], kind: str | None, default_theta: float) -> RopeConfig:

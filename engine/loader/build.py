@@ -101,15 +101,26 @@ def _fuse_projections(state: dict[str, Any], cfg: ModelConfig) -> None:
 
 def _fuse_experts(state: dict[str, Any], prefix: str) -> None:
     """The readers' expert stacks (`gate_proj`, `up_proj`, `down_proj` [E, out, in], `*_bias` [E, out]) as the
-    decoder's `gate_up` (gate rows, then up rows) and `down` ExpertStacks."""
+    decoder's `gate_up` (gate rows, then up rows) and `down` ExpertStacks.
+
+    A stack is a float tensor, a stacked `Affine4Bit` or `Mxfp4Tensor`, or the GGUF reader's `LazyExperts` (read an
+    expert at a time: joined lazily here, so the fuse step reads nothing)."""
     for kind, suffix in (("weight", ""), ("bias", "_bias")):
         gate, up, down = (f"{prefix}{p}{suffix}" for p in ("gate_proj", "up_proj", "down_proj"))
         if gate in state and up in state:
-            parts = [state.pop(gate), state.pop(up)]
-            state[f"{prefix}gate_up.{kind}"] = (type(parts[0]).cat(parts, dim=1) if hasattr(parts[0], "cat")
-                                                 else torch.cat(parts, dim=1))
+            state[f"{prefix}gate_up.{kind}"] = _cat_expert_rows([state.pop(gate), state.pop(up)])
         if down in state:
             state[f"{prefix}down.{kind}"] = state.pop(down)
+
+
+def _cat_expert_rows(parts: list[Any]) -> Any:
+    """Expert stacks [E, out_i, in] (biases [E, out_i]) joined along their output rows, in the parts' own form
+    when they share one, else as float tensors."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts, dim=1)
+    if all(type(p) is type(parts[0]) for p in parts) and hasattr(parts[0], "cat"):
+        return type(parts[0]).cat(parts, dim=1)
+    return torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize() for p in parts], dim=1)
 
 
 def _quantize_modules(model: DecoderModel, state: dict[str, Any], quant: str, dtype: torch.dtype,

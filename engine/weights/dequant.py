@@ -113,6 +113,14 @@ def _affine_q4_k(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
 _AFFINE_4BIT = {Q.Q4_0: _affine_q4_0, Q.Q4_1: _affine_q4_1, Q.Q4_K: _affine_q4_k}
 
 
+def has_affine_4bit_form(ggml_type: int) -> bool:
+    """Whether `affine_4bit` turns matrices of this ggml type into exact `Affine4Bit` codes."""
+    try:
+        return Q(ggml_type) in _AFFINE_4BIT
+    except ValueError:
+        return False
+
+
 def affine_4bit(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> Affine4Bit | None:
     """A 2-D 4-bit tensor (Q4_0, Q4_1, Q4_K) as exact `Affine4Bit` codes, scales and offsets; None for other types."""
     try:

@@ -15,7 +15,21 @@ The GGUF is what llama.cpp's `convert_hf_to_gguf.py` would produce for the same 
 * 1-D tensors (norms, biases, rope_freqs) always F32; 2-D matrices F32 or the requested type;
 * a byte-level BPE tokenizer (`tokenizer.ggml.model = "gpt2"`), the same one as `tokenizer.json`.
 
-tests/engine/test_tiny_models.py checks all this against transformers' own GGUF loader.
+Mixtures of experts, as llama.cpp's converter writes them (architectures `qwen3moe`, `qwen2moe`, `olmoe`,
+`gpt-oss`, and `llama` for Mixtral, q/k permuted as llama's):
+
+* the routed experts stacked per projection, `blk.N.ffn_{gate,up,down}_exps.weight` [E, out, in] (GGUF
+  ne = [in, out, E]), in the requested type like the 2-D matrices (MXFP4: only they); gpt-oss's expert biases
+  `blk.N.ffn_{gate,up,down}_exps.bias` [E, out], its interleaved gate/up split and its transposed stacks turned;
+* the router `blk.N.ffn_gate_inp` (gpt-oss: with `.bias`) and Qwen2-MoE's shared-expert gate
+  `blk.N.ffn_gate_inp_shexp` [1, H] always F32; its shared expert `blk.N.ffn_{gate,up,down}_shexp`;
+* gpt-oss's `blk.N.attn_sinks.weight` and its pre-MLP norm `blk.N.post_attention_norm`;
+* `{arch}.expert_count`, `expert_used_count`, `expert_feed_forward_length` (Qwen-MoE, gpt-oss),
+  `expert_shared_feed_forward_length` (Qwen2-MoE), gpt-oss's `attention.sliding_window` and `rope.scaling.*`
+  (yarn). Nothing carries the routers' renormalisation: llama.cpp hard-codes it per architecture.
+
+tests/engine/test_tiny_models.py checks all this against transformers' own GGUF loader (where it reads the
+architecture) and gguf-py's reader.
 """
 
 from __future__ import annotations
@@ -23,6 +37,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,10 +52,12 @@ VARIANTS = ["llama_tied", "llama3_scaled", "qwen2", "qwen3", "gemma3"]
 # Mixture-of-experts families (each with its own config.json model_type).
 MOE_VARIANTS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss"]
 
-# GGUF storage types for the 2-D matrices; F32 is the exact copy.
+# GGUF storage types for the 2-D matrices (and 3-D expert stacks); F32 is the exact copy.
 GGUF_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0"]
+# Only for mixtures of experts: MXFP4 experts (gpt-oss's own format), every other tensor F32.
+MOE_GGUF_TYPES = ["MXFP4"]
 
-_QTYPE = {name: GGMLQuantizationType[name] for name in GGUF_TYPES}
+_QTYPE = {name: GGMLQuantizationType[name] for name in GGUF_TYPES + MOE_GGUF_TYPES}
 _FILE_TYPE = {
     "F32": LlamaFileType.ALL_F32,
     "F16": LlamaFileType.MOSTLY_F16,
@@ -49,6 +66,7 @@ _FILE_TYPE = {
     "Q4_0": LlamaFileType.MOSTLY_Q4_0,
     "Q4_1": LlamaFileType.MOSTLY_Q4_1,
     "Q5_0": LlamaFileType.MOSTLY_Q5_0,
+    "MXFP4": LlamaFileType.MOSTLY_MXFP4_MOE,
 }
 
 VOCAB_SIZE = 320
@@ -136,7 +154,7 @@ _GEMMA_SPEC = _TokenizerSpec(
 @dataclass
 class TinyModel:
     variant: str
-    family: str  # the GGUF architecture: llama | qwen2 | qwen3 | gemma3
+    family: str  # the engine's family: llama | qwen2 | qwen3 | gemma3 | MoE_VARIANTS' (gguf_arch: the GGUF one)
     hf_model: torch.nn.Module  # float32, eval mode; the weights of safetensors_dir and the F32 GGUF
     config: object  # the transformers config
     safetensors_dir: Path
@@ -282,6 +300,9 @@ def _moe_config(variant: str, common: dict):
 
 _FAMILY = {"llama_tied": "llama", "llama3_scaled": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
            "qwen3_thinking": "qwen3", **{variant: variant for variant in MOE_VARIANTS}}
+# The architecture llama.cpp's converter writes (Mixtral as "llama" with experts).
+_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "qwen3_moe": "qwen3moe",
+              "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe", "gpt_oss": "gpt-oss"}
 _SPEC = {
     "llama_tied": _CHATML_SPEC,
     "llama3_scaled": _LLAMA3_SPEC,
@@ -451,7 +472,13 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def gguf_arch(tiny: "TinyModel") -> str:
+    """The `general.architecture` llama.cpp's converter writes for this variant."""
+    return _GGUF_ARCH[tiny.family]
+
+
 def _gguf_tensor_name(hf_name: str, family: str) -> str:
+    """The GGUF name of a 1:1 HF tensor (not the routed experts, which split and stack: `_gguf_tensors`)."""
     if hf_name == "model.embed_tokens.weight":
         return "token_embd.weight"
     if hf_name == "model.norm.weight":
@@ -461,6 +488,8 @@ def _gguf_tensor_name(hf_name: str, family: str) -> str:
     parts = hf_name.split(".")
     assert parts[:2] == ["model", "layers"], hf_name
     bid, leaf, suffix = parts[2], ".".join(parts[3:-1]), parts[-1]
+    if hf_name.endswith("self_attn.sinks"):  # gpt-oss: llama.cpp names it with a `.weight`
+        leaf, suffix = "self_attn.sinks", "weight"
     names = {
         "input_layernorm": "attn_norm",
         "self_attn.q_proj": "attn_q",
@@ -469,9 +498,17 @@ def _gguf_tensor_name(hf_name: str, family: str) -> str:
         "self_attn.o_proj": "attn_output",
         "self_attn.q_norm": "attn_q_norm",
         "self_attn.k_norm": "attn_k_norm",
+        "self_attn.sinks": "attn_sinks",
         "mlp.gate_proj": "ffn_gate",
         "mlp.up_proj": "ffn_up",
         "mlp.down_proj": "ffn_down",
+        # mixtures of experts: the router (gpt-oss's has a bias), Qwen2-MoE's shared expert and its gate
+        "mlp.gate": "ffn_gate_inp",
+        "mlp.router": "ffn_gate_inp",
+        "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+        "mlp.shared_expert.up_proj": "ffn_up_shexp",
+        "mlp.shared_expert.down_proj": "ffn_down_shexp",
+        "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
     }
     if family == "gemma3":
         names |= {
@@ -479,14 +516,62 @@ def _gguf_tensor_name(hf_name: str, family: str) -> str:
             "pre_feedforward_layernorm": "ffn_norm",
             "post_feedforward_layernorm": "post_ffw_norm",
         }
+    elif family == "gpt_oss":  # llama.cpp's ATTN_POST_NORM: gpt-oss's norm before the MLP
+        names["post_attention_layernorm"] = "post_attention_norm"
     else:
         names["post_attention_layernorm"] = "ffn_norm"
     return f"blk.{bid}.{names[leaf]}.{suffix}"
 
 
-def _is_quantizable(name: str, array: np.ndarray) -> bool:
-    # llama.cpp keeps 1-D tensors and norms in F32
-    return array.ndim == 2 and not name.endswith("_norm.weight")
+_HF_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?")
+
+
+def _expert_tensors(hf_name: str, data: torch.Tensor, family: str) -> list[tuple[str, torch.Tensor]] | None:
+    """The routed experts of one HF parameter as llama.cpp writes them: one 3-D stack per projection,
+    `blk.N.ffn_{gate,up,down}_exps.weight` [E, out, in] (GGUF ne = [in, out, E]), gpt-oss's biases
+    `blk.N.ffn_{gate,up,down}_exps.bias` [E, out]; None for any other parameter.
+
+    transformers 5 holds experts fused: `gate_up_proj` [E, 2I, H] (gate rows, then up rows) and `down_proj`
+    [E, H, I]; gpt-oss transposed with gate and up interleaved, `gate_up_proj` [E, H, 2I] (gate in the even
+    columns), `down_proj` [E, I, H], biases [E, 2I] (interleaved) and [E, H] (GptOssModel.modify_tensors)."""
+    m = _HF_EXPERTS.fullmatch(hf_name)
+    if m is None:
+        return None
+    bid, kind, bias = m[1], m[2], bool(m[3])
+    suffix = "bias" if bias else "weight"
+    if family == "gpt_oss" and not bias:
+        data = data.transpose(1, 2)  # [E, out, in]
+    if kind == "down_proj":
+        return [(f"blk.{bid}.ffn_down_exps.{suffix}", data.contiguous())]
+    if family == "gpt_oss":
+        gate, up = data[:, 0::2], data[:, 1::2]
+    else:
+        gate, up = data.chunk(2, dim=1)
+    return [(f"blk.{bid}.ffn_gate_exps.{suffix}", gate.contiguous()), (f"blk.{bid}.ffn_up_exps.{suffix}", up.contiguous())]
+
+
+def _gguf_tensors(hf_name: str, data: torch.Tensor, family: str) -> list[tuple[str, torch.Tensor]]:
+    """[(GGUF name, float32 tensor)] for one HF parameter."""
+    experts = _expert_tensors(hf_name, data, family)
+    return experts if experts is not None else [(_gguf_tensor_name(hf_name, family), data)]
+
+
+# llama.cpp's converter keeps these in F32 whatever the requested type (ModelBase.prepare_tensors): routers
+_F32_MATRICES = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+
+
+def _storage_type(name: str, shape: tuple[int, ...], gguf_type: str) -> str:
+    """The type a tensor of `shape` (GGUF's orientation: rows along the last dim) is stored in: 1-D tensors,
+    norms, biases and routers always F32 (as llama.cpp); with MXFP4 only the experts' matrices (llama.cpp converts
+    gpt-oss's MXFP4 checkpoint so), else every matrix; F16 where rows are not whole blocks of the type (the
+    converter's fallback on gguf-py's QuantError)."""
+    if len(shape) < 2 or name.endswith("_norm.weight") or not name.endswith(".weight") or name.endswith(_F32_MATRICES):
+        return "F32"
+    if gguf_type == "MXFP4" and not name.endswith("_exps.weight"):
+        return "F32"
+    if shape[-1] % gguf.GGML_QUANT_SIZES[_QTYPE[gguf_type]][0]:
+        return "F16"
+    return gguf_type
 
 
 def _roundtrip(array: np.ndarray, gguf_type: str) -> np.ndarray:
@@ -497,21 +582,21 @@ def _roundtrip(array: np.ndarray, gguf_type: str) -> np.ndarray:
 def _llama_cpp_tensors(hf_model, family: str, *, _permute: bool = True, _gemma_norm_offset: bool = True):
     """[(gguf name, float32 array)] in the order llama.cpp writes them."""
     config = hf_model.config
+    arch = _GGUF_ARCH[family]
     out = []
     state = hf_model.state_dict()
     for hf_name, tensor in state.items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        name = _gguf_tensor_name(hf_name, family)
-        data = tensor.detach().to(torch.float32).clone()
-        if family == "llama" and _permute:
-            if name.endswith(".attn_q.weight") or name.endswith(".attn_q.bias"):
-                data = llama_permute(data, config.num_attention_heads, config.num_attention_heads)
-            elif name.endswith(".attn_k.weight") or name.endswith(".attn_k.bias"):
-                data = llama_permute(data, config.num_attention_heads, config.num_key_value_heads)
-        if family == "gemma3" and name.endswith("norm.weight") and _gemma_norm_offset:
-            data = data + 1
-        out.append((name, data.numpy()))
+        for name, data in _gguf_tensors(hf_name, tensor.detach().to(torch.float32).clone(), family):
+            if arch == "llama" and _permute:  # llama and Mixtral
+                if name.endswith(".attn_q.weight") or name.endswith(".attn_q.bias"):
+                    data = llama_permute(data, config.num_attention_heads, config.num_attention_heads)
+                elif name.endswith(".attn_k.weight") or name.endswith(".attn_k.bias"):
+                    data = llama_permute(data, config.num_attention_heads, config.num_key_value_heads)
+            if family == "gemma3" and name.endswith("norm.weight") and _gemma_norm_offset:
+                data = data + 1
+            out.append((name, data.numpy()))
     rope = getattr(config, "rope_parameters", None) or {}
     if family == "llama" and rope.get("rope_type") == "llama3":
         out.insert(0, ("rope_freqs.weight", llama3_rope_factors(config).numpy()))
@@ -525,34 +610,87 @@ def _block_index(name: str) -> int:
     return int(name.split(".")[1]) if name.startswith("blk.") else -1
 
 
-def _check_names_known(names: list[str], family: str, n_layers: int) -> None:
-    """Every tensor name is one gguf-py lists for this architecture."""
-    arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == family)
+def _dense_layers(config) -> list[int]:
+    """Qwen-MoE's layers with a dense MLP (mlp_only_layers, decoder_sparse_step)."""
+    if not getattr(config, "num_experts", None) or not hasattr(config, "mlp_only_layers"):
+        return []
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return [i for i in range(config.num_hidden_layers)
+            if i in (config.mlp_only_layers or []) or (i + 1) % step]
+
+
+def _check_names_known(names: list[str], arch: str, n_layers: int, dense_layers: list[int] = ()) -> None:
+    """Every tensor name is one gguf-py lists for this architecture.
+
+    Except the dense MLP (`ffn_gate`/`ffn_up`/`ffn_down`) of a Qwen-MoE's dense layers: gguf-py's qwen3moe and
+    qwen2moe layouts have none (llama.cpp's converter cannot convert such a checkpoint, and its loader wants a
+    router in every layer); they take the names every other architecture gives a dense MLP."""
+    arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     known = set()
-    for tensor in gguf.MODEL_TENSORS[arch]:
+    for tensor in gguf.MODEL_TENSORS[arch_id]:
         pattern = gguf.TENSOR_NAMES[tensor]
         for bid in range(n_layers) if "{bid}" in pattern else [None]:
             known.add(pattern.format(bid=bid))
+    for bid in dense_layers:
+        known |= {gguf.TENSOR_NAMES[t].format(bid=bid) for t in
+                  (gguf.MODEL_TENSOR.FFN_GATE, gguf.MODEL_TENSOR.FFN_UP, gguf.MODEL_TENSOR.FFN_DOWN)}
     unknown = [n for n in names if n.rsplit(".", 1)[0] not in known]
     if unknown:
-        raise AssertionError(f"tensor names not in gguf-py's {family} layout: {unknown}")
+        raise AssertionError(f"tensor names not in gguf-py's {arch} layout: {unknown}")
+
+
+def _add_moe_metadata(writer: gguf.GGUFWriter, config, family: str) -> None:
+    """The mixture-of-experts keys llama.cpp's converter writes (TextModel and each family's
+    set_gguf_parameters): expert counts, the expert (and shared expert) widths, gpt-oss's window and yarn."""
+    writer.add_expert_count(getattr(config, "num_experts", None) or config.num_local_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    if family in ("qwen3_moe", "qwen2_moe"):
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if family == "qwen2_moe":
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    if family == "gpt_oss":
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_expert_feed_forward_length(config.intermediate_size)
+        rope = config.rope_parameters
+        if rope.get("rope_type") == "yarn":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(rope["factor"])
+            writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+            if rope.get("attention_factor") is not None:
+                writer.add_rope_scaling_yarn_attn_factor(rope["attention_factor"])
+            writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+            writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+
+
+def _add_tensor(writer: gguf.GGUFWriter, name: str, array: np.ndarray, storage: str) -> None:
+    if storage == "F32":
+        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+        return
+    qtype = _QTYPE[storage]
+    data = quantize(np.ascontiguousarray(array, dtype=np.float32), qtype)
+    if storage == "F16":
+        writer.add_tensor(name, data)  # float16 array: the writer infers F16 and the shape
+    else:
+        # uint8 blocks: with raw_dtype the writer turns the byte shape back into the element shape
+        writer.add_tensor(name, data, raw_dtype=qtype)
 
 
 def write_gguf(tiny: TinyModel, gguf_type: str = "F32", path: Path | None = None, *, split_max_tensors: int = 0,
                **_layout) -> Path:
-    """Write `tiny.hf_model` as a llama.cpp-layout GGUF with 2-D matrices stored as `gguf_type`. With
-    `split_max_tensors`, split it the way llama.cpp's gguf-split does (gguf-py's writer: files
-    `<stem>-00001-of-0000N.gguf` of at most that many tensors, the metadata in the first, `split.*` keys in each)
-    and return the first file."""
+    """Write `tiny.hf_model` as a llama.cpp-layout GGUF with 2-D matrices (and 3-D expert stacks) stored as
+    `gguf_type` (MXFP4: only the experts, for mixtures of experts). With `split_max_tensors`, split it the way
+    llama.cpp's gguf-split does (gguf-py's writer: files `<stem>-00001-of-0000N.gguf` of at most that many tensors,
+    the metadata in the first, `split.*` keys in each) and return the first file."""
     if gguf_type not in _QTYPE:
-        raise ValueError(f"gguf_type {gguf_type!r} not in {GGUF_TYPES}")
+        raise ValueError(f"gguf_type {gguf_type!r} not in {GGUF_TYPES + MOE_GGUF_TYPES}")
     path = Path(path) if path is not None else tiny.safetensors_dir.parent / f"{tiny.variant}-{gguf_type}.gguf"
     config = tiny.hf_model.config
     family = tiny.family
+    arch = _GGUF_ARCH[family]
     tensors = _llama_cpp_tensors(tiny.hf_model, family, **_layout)
-    _check_names_known([name for name, _ in tensors], family, config.num_hidden_layers)
+    _check_names_known([name for name, _ in tensors], arch, config.num_hidden_layers, _dense_layers(config))
 
-    writer = gguf.GGUFWriter(str(path), family, split_max_tensors=split_max_tensors)  # writes general.architecture
+    writer = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)  # writes general.architecture
     writer.add_name(f"tiny-{tiny.variant}")
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -571,10 +709,14 @@ def write_gguf(tiny: TinyModel, gguf_type: str = "F32", path: Path | None = None
         writer.add_sliding_window(config.sliding_window)
     else:
         writer.add_rope_freq_base(rope["rope_theta"])
+    # (llama.cpp's OLMoE converter writes 1e-5 whatever the config says, right for OLMoE-1B-7B; the tiny
+    # model's own epsilon keeps the file true to its weights)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_dimension_count(head_dim)
-    if family == "llama":
+    if arch == "llama":
         writer.add_vocab_size(config.vocab_size)
+    if family in MOE_VARIANTS:
+        _add_moe_metadata(writer, config, family)
     writer.add_file_type(_FILE_TYPE[gguf_type])
     if gguf_type not in ("F32", "F16", "BF16"):
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -596,18 +738,7 @@ def write_gguf(tiny: TinyModel, gguf_type: str = "F32", path: Path | None = None
     writer.add_chat_template(spec.chat_template)
 
     for name, array in tensors:
-        if gguf_type == "F32" or not _is_quantizable(name, array):
-            writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
-            continue
-        qtype = _QTYPE[gguf_type]
-        if gguf_type != "F16" and array.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
-            raise AssertionError(f"{name} row length {array.shape[-1]} is not a multiple of {gguf_type}'s block")
-        data = quantize(array, qtype)
-        if gguf_type == "F16":
-            writer.add_tensor(name, data)  # float16 array: the writer infers F16 and the shape
-        else:
-            # uint8 blocks: with raw_dtype the writer turns the byte shape back into the element shape
-            writer.add_tensor(name, data, raw_dtype=qtype)
+        _add_tensor(writer, name, array, _storage_type(name, array.shape, gguf_type))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -620,11 +751,18 @@ def reference_model(tiny: TinyModel, gguf_type: str):
     if gguf_type == "F32":
         return tiny.hf_model
     ref = copy.deepcopy(tiny.hf_model)
+    family = tiny.family
     with torch.no_grad():
-        for name, param in ref.named_parameters():
-            array = param.detach().numpy()
-            if array.ndim == 2:  # every 2-D HF parameter is a matrix llama.cpp may quantize
-                param.copy_(torch.from_numpy(_roundtrip(array, gguf_type)))
+        for hf_name, param in ref.named_parameters():
+            # GGUF rows run along the input dim: the last one, but the middle one of gpt-oss's [E, in, out]
+            # experts; the converter's other changes (splits, interleaving, the llama permutation) move whole rows
+            transposed = family == "gpt_oss" and param.dim() == 3
+            array = (param.detach().transpose(1, 2) if transposed else param.detach()).contiguous().numpy()
+            storage = _storage_type(_gguf_tensors(hf_name, param.detach(), family)[0][0], array.shape, gguf_type)
+            if storage == "F32":
+                continue
+            stored = torch.from_numpy(_roundtrip(array, storage))
+            param.copy_(stored.transpose(1, 2) if transposed else stored)
     return ref.eval()
 
 
@@ -669,7 +807,7 @@ def build_tiny_model(variant: str, out_dir: Path, gguf_type: str = "F32") -> Tin
         eos_token_id=config.eos_token_id,
         add_bos=spec.add_bos,
     )
-    tiny.gguf_path = write_gguf(tiny, gguf_type) if family not in MOE_VARIANTS else None
+    tiny.gguf_path = write_gguf(tiny, gguf_type)
     return tiny
 
 

@@ -39,8 +39,9 @@ class Affine4Bit:
         return Affine4Bit(fn(self.codes), fn(self.scale), fn(self.offset))
 
     @staticmethod
-    def cat(parts: "list[Affine4Bit]") -> "Affine4Bit":
-        return Affine4Bit(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scale", "offset")))
+    def cat(parts: "list[Affine4Bit]", dim: int = 0) -> "Affine4Bit":
+        """Concatenation along output rows (dim 0; dim 1 of stacked experts [E, out, in]), never inputs."""
+        return Affine4Bit(*(torch.cat([getattr(p, f) for p in parts], dim) for f in ("codes", "scale", "offset")))
 
 
 def quantize_4bit(w: torch.Tensor) -> Affine4Bit:
