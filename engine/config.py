@@ -160,70 +160,6 @@ _GGUF_RENORMALIZE = {"qwen3_moe": True, "qwen2_moe": False, "mixtral": True, "ol
 _GGUF_GATING_SOFTMAX = 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
 
 
-def config_from_gguf(meta: dict[str, Any], has_output_tensor: bool,
-                     tensor_names: Collection[str] | None = None) -> ModelConfig:
-    """Build the config from GGUF metadata; fields the file does not carry take the family defaults.
-
-    `tensor_names` (the file's tensors), when given, tells what the metadata does not: which layers of a mixture
-    of experts are dense (no router: `blk.N.ffn_gate_inp`) and whether attention has biases."""
-    arch = str(meta.get("general.architecture", ""))
-    family = _GGUF_ARCHS.get(arch)
-
-    def get(key: str, default: Any = None) -> Any:
-        return meta.get(f"{arch}.{key}", default)
-
-    if family == "llama" and int(get("expert_count") or 0) > 0:
-        family = "mixtral"
-    if family is None:
-        raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_GGUF_ARCHS)}")
-
-    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
-    kv_heads = get("attention.head_count_kv", heads)
-    head_dim = int(get("attention.key_length", hidden // heads))
-    vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
-    num_layers = int(get("block_count"))
-    common = dict(
-        vocab_size=int(vocab), hidden_size=hidden, intermediate_size=int(get("feed_forward_length")),
-        num_layers=num_layers, num_heads=heads, num_kv_heads=int(kv_heads), head_dim=head_dim,
-        rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)), max_position=int(get("context_length", 4096)),
-        tie_embeddings=not has_output_tensor,
-    )
-    scaling = None
-    if get("rope.scaling.type") == "linear" and get("rope.scaling.factor"):
-        scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-    elif get("rope.scaling.type") == "yarn" and get("rope.scaling.factor"):
-        scaling = _gguf_yarn(get, family)
-    if family == "gemma3":
-        return ModelConfig(
-            family="gemma3", **common, rope=RopeConfig(float(get("rope.freq_base", 1_000_000.0)), scaling),
-            local_rope=RopeConfig(GEMMA3_LOCAL_ROPE_THETA), qk_norm=True, hidden_act="gelu_tanh",
-            embed_scale=math.sqrt(hidden), query_scale=1.0 / math.sqrt(head_dim), sandwich_norms=True,
-            sliding_window=int(get("attention.sliding_window", 512)), layer_is_sliding=_gemma3_layer_pattern(num_layers),
-        )
-    if family in MOE_FAMILIES:
-        rope = RopeConfig(float(get("rope.freq_base", 150_000.0 if family == "gpt_oss" else 10_000.0)), scaling)
-        return _moe_config_from_gguf(family, get, common, rope, tensor_names)
-    # llama3 frequency scaling travels as the `rope_freqs.weight` tensor in GGUF, applied by the weight loader.
-    return ModelConfig(
-        family=family, **common, rope=RopeConfig(float(get("rope.freq_base", 10_000.0)), scaling),
-        attention_bias=family == "qwen2", qk_norm=family == "qwen3",
-    )
-
-
-def _gguf_yarn(get: Any, family: str) -> dict[str, Any]:
-    """YaRN rope scaling from llama.cpp's `rope.scaling.*` keys, as Hugging Face's `rope_scaling` has it."""
-    scaling: dict[str, Any] = {"rope_type": "yarn", "factor": float(get("rope.scaling.factor")),
-                               "beta_fast": float(get("rope.scaling.yarn_beta_fast", 32.0)),
-                               "beta_slow": float(get("rope.scaling.yarn_beta_slow", 1.0))}
-    if get("rope.scaling.original_context_length"):
-        scaling["original_max_position_embeddings"] = int(get("rope.scaling.original_context_length"))
-    if get("rope.scaling.yarn_attn_factor") is not None:
-        scaling["attention_factor"] = float(get("rope.scaling.yarn_attn_factor"))
-    if family == "gpt_oss":  # its config.json's rope_scaling says truncate: false, which GGUF does not carry
-        scaling["truncate"] = False
-    return scaling
-
-
 def _one_width(value: Any, what: str) -> int:
     """A width llama.cpp may store per layer (an array): mixtures of experts here have one for all layers."""
     if isinstance(value, list):
@@ -280,6 +216,91 @@ def _gguf_sliding_layers(pattern: Any, num_layers: int) -> list[bool]:
         return [bool(p) for p in pattern]
     n = int(pattern or 2)
     return [n == 0 or i % n < n - 1 for i in range(num_layers)]
+
+
+def config_from_gguf(meta: dict[str, Any], has_output_tensor: bool,
+                     tensor_names: Collection[str] | None = None) -> ModelConfig:
+    """Build the config from GGUF metadata; fields the file does not carry take the family defaults.
+
+    `tensor_names` (the file's tensors), when given, tells what the metadata does not: which layers of a mixture
+    of experts are dense (no router: `blk.N.ffn_gate_inp`) and whether attention has biases."""
+    arch = str(meta.get("general.architecture", ""))
+    family = _GGUF_ARCHS.get(arch)
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    if family == "llama" and int(get("expert_count") or 0) > 0:
+        family = "mixtral"
+    if family is None:
+        raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_GGUF_ARCHS)}")
+
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    kv_heads = get("attention.head_count_kv", heads)
+    head_dim = int(get("attention.key_length", hidden // heads))
+    vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
+    num_layers = int(get("block_count"))
+    common = dict(
+        vocab_size=int(vocab), hidden_size=hidden, intermediate_size=int(get("feed_forward_length")),
+        num_layers=num_layers, num_heads=heads, num_kv_heads=int(kv_heads), head_dim=head_dim,
+        rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)), max_position=int(get("context_length", 4096)),
+        tie_embeddings=not has_output_tensor,
+    )
+    scaling = gguf_rope_scaling(meta, arch)
+    if family == "gemma3":
+        return ModelConfig(
+            family="gemma3", **common, rope=RopeConfig(float(get("rope.freq_base", 1_000_000.0)), scaling),
+            local_rope=RopeConfig(GEMMA3_LOCAL_ROPE_THETA), qk_norm=True, hidden_act="gelu_tanh",
+            embed_scale=math.sqrt(hidden), query_scale=1.0 / math.sqrt(head_dim), sandwich_norms=True,
+            sliding_window=int(get("attention.sliding_window", 512)), layer_is_sliding=_gemma3_layer_pattern(num_layers),
+        )
+    if family in MOE_FAMILIES:
+        rope = RopeConfig(float(get("rope.freq_base", 150_000.0 if family == "gpt_oss" else 10_000.0)), scaling)
+        return _moe_config_from_gguf(family, get, common, rope, tensor_names)
+    # llama3 frequency scaling travels as the `rope_freqs.weight` tensor in GGUF, applied by the weight loader.
+    return ModelConfig(
+        family=arch, **common, rope=RopeConfig(float(get("rope.freq_base", 10_000.0)), scaling),
+        attention_bias=arch == "qwen2", qk_norm=arch == "qwen3",
+    )
+
+
+# llama.cpp's names of the yarn settings, under `{arch}.rope.scaling.`, and transformers' names for them.
+_GGUF_YARN_KEYS = {"yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow",
+                   "yarn_log_multiplier": "mscale_all_dim"}
+# Families whose yarn ramp is not rounded to whole dimensions (transformers' `truncate`: False in their config.json);
+# GGUF has no key for it (llama.cpp always rounds).
+_YARN_UNTRUNCATED = ("gpt-oss", "gpt_oss")
+
+
+def gguf_rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
+    """The `RopeConfig.scaling` of a GGUF's `{arch}.rope.scaling.*` metadata (llama.cpp's keys): linear or yarn
+    (factor, original_context_length, the optional yarn_beta_fast / yarn_beta_slow, llama.cpp's defaults 32 and 1,
+    yarn_log_multiplier as mscale_all_dim, attn_factor multiplying the attention factor); None for no scaling."""
+    def get(key: str) -> Any:
+        return meta.get(f"{arch}.rope.scaling.{key}")
+
+    kind, factor = get("type"), get("factor")
+    if kind == "linear" and factor:
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind != "yarn" or not factor:
+        return None
+    if get("original_context_length") is None:
+        raise UnsupportedModelError(f"{arch}: yarn rope scaling without rope.scaling.original_context_length")
+    scaling: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor), "beta_fast": 32.0, "beta_slow": 1.0,
+                               "original_max_position_embeddings": int(get("original_context_length"))}
+    for key, name in _GGUF_YARN_KEYS.items():
+        if get(key) is not None:
+            scaling[name] = float(get(key))
+    if "mscale_all_dim" in scaling:
+        scaling["mscale"] = 1.0  # llama.cpp's reading of yarn_log_multiplier
+    extra = float(get("attn_factor") or 1.0)  # llama.cpp multiplies yarn's attention factor by it
+    if extra != 1.0:
+        def mscale(m: float) -> float:
+            return 1.0 if scaling["factor"] <= 1 else 0.1 * m * math.log(scaling["factor"]) + 1.0
+        scaling["attention_factor"] = extra * mscale(1.0) / mscale(scaling.get("mscale_all_dim", 1.0))
+    if arch in _YARN_UNTRUNCATED:
+        scaling["truncate"] = False
+    return scaling
 
 
 def _hf_rope(cfg: dict[str, Any], kind: str | None, default_theta: float) -> RopeConfig:
