@@ -2,7 +2,8 @@
 
 Every variant is loaded both from its safetensors directory and from its llama.cpp-layout F32 GGUF
 (test_tiny_models.py proves that layout with transformers' own GGUF loader), and from GGUF copies
-whose matrices are F16 / BF16 / Q8_0 / Q4_0 / Q4_1 / Q5_0. Quantized copies are compared with the
+whose matrices are F16 / BF16 / Q8_0 / Q4_0 / Q4_1 / Q5_0 (the mixtures of experts: a few of these, their
+3-D expert stacks in the type too, and gpt-oss's experts in MXFP4). Quantized copies are compared with the
 HF model holding exactly the dequantized weights, so they are held to the same tolerance as F32.
 
 Tolerance: |engine - HF| <= 1e-4 * max(1, max |HF logit|) (tiny_models.LOGIT_RTOL). The logits here
@@ -22,6 +23,7 @@ import torch
 
 from tests.support.tiny_models import (
     GGUF_TYPES,
+    MOE_GGUF_TYPES,
     MOE_VARIANTS,
     VARIANTS,
     assert_logits_close,
@@ -32,14 +34,15 @@ from tests.support.tiny_models import (
 
 FORMATS = ["safetensors", "gguf"]
 ALL_VARIANTS = VARIANTS + MOE_VARIANTS
-# (variant, format) pairs: every dense family in both formats; the mixture-of-experts families as safetensors
-CASES = [(v, f) for v in VARIANTS for f in FORMATS] + [(v, "safetensors") for v in MOE_VARIANTS]
-
-
-def snapshot_format(variant: str) -> str:
-    return "safetensors" if variant in MOE_VARIANTS else "gguf"
-
+# (variant, format) pairs: every family in both formats
+CASES = [(v, f) for v in ALL_VARIANTS for f in FORMATS]
 QUANTIZED = GGUF_TYPES[1:]
+# (variant, GGUF type): every dense family in every quantized type; the mixtures of experts in the 8- and 4-bit
+# block types (experts included), a few others, and gpt-oss's experts as MXFP4
+QUANTIZED_CASES = ([(v, t) for v in VARIANTS for t in QUANTIZED]
+                   + [(v, t) for v in MOE_VARIANTS for t in ("Q8_0", "Q4_0")]
+                   + [("qwen3_moe", "Q4_1"), ("qwen2_moe", "Q5_0"), ("mixtral", "BF16"), ("olmoe", "F16")]
+                   + [("gpt_oss", t) for t in MOE_GGUF_TYPES])
 PROMPT_LEN = 24
 DECODE_STEPS = 16
 LONG = 36
@@ -108,7 +111,7 @@ def test_cached_decode_matches_hf_full_sequence(runner_for, reference, variant, 
         assert_logits_close(got, expected[n + step], f"{variant}/{fmt} decode step {step} (position {n + step})")
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
 def test_safetensors_and_gguf_copies_give_the_same_logits(tiny_zoo, runner_for, variant):
     ids = prompt_ids(tiny_zoo.model(variant), 0, LONG)
     from_safetensors = runner_for(variant, "safetensors").predict_logits(ids).clone()
@@ -116,8 +119,7 @@ def test_safetensors_and_gguf_copies_give_the_same_logits(tiny_zoo, runner_for, 
     assert_logits_close(from_gguf, from_safetensors, f"{variant}: GGUF vs safetensors")
 
 
-@pytest.mark.parametrize("gguf_type", QUANTIZED)
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant,gguf_type", QUANTIZED_CASES)
 def test_quantized_gguf_matches_dequantized_reference(tiny_zoo, runner_for, reference, variant, gguf_type):
     tiny = tiny_zoo.model(variant)
     runner = runner_for(variant, "gguf", gguf_type)
@@ -133,7 +135,7 @@ def test_quantized_gguf_matches_dequantized_reference(tiny_zoo, runner_for, refe
 
 @pytest.mark.parametrize("variant", ALL_VARIANTS)
 def test_snapshot_restore_continues_like_the_original_session(tiny_zoo, runner_for, reference, variant):
-    runner = runner_for(variant, snapshot_format(variant))
+    runner = runner_for(variant, "gguf")
     prompt, cont, expected = reference(variant)
     n = len(prompt)
     runner.prefill_logits(prompt)
@@ -161,7 +163,7 @@ def test_snapshot_restore_continues_like_the_original_session(tiny_zoo, runner_f
 @pytest.mark.parametrize("variant", ALL_VARIANTS)
 def test_prefill_reusing_equals_cold_prefill(tiny_zoo, runner_for, reference, variant):
     tiny = tiny_zoo.model(variant)
-    runner = runner_for(variant, snapshot_format(variant))
+    runner = runner_for(variant, "gguf")
     prompt, cont, expected = reference(variant)
     n = len(prompt)
 
