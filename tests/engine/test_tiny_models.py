@@ -22,6 +22,7 @@ and the part is checked another way:
 """
 
 import filecmp
+import re
 
 import gguf
 import numpy as np
@@ -29,7 +30,7 @@ import pytest
 import torch
 
 from tests.support import tiny_models as tm
-from tests.support.tiny_models import GGUF_TYPES, VARIANTS, hf_greedy, hf_logits, prompt_ids
+from tests.support.tiny_models import GGUF_TYPES, MOE_VARIANTS, VARIANTS, hf_greedy, hf_logits, prompt_ids
 
 _LONG = 36  # tokens: past gemma3's sliding window of 8, and far enough for rope scaling to matter
 
@@ -54,7 +55,7 @@ def _config_patch(tiny, fields) -> dict:
     return {}
 
 
-def _load_with_transformers(path, patch: dict):
+def _load_with_transformers(path, patch: dict, fix=None):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
@@ -65,6 +66,8 @@ def _load_with_transformers(path, patch: dict):
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     parsed = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)
     tensors = parsed["tensors"]
+    if fix is not None:  # what transformers' reader gets wrong or leaves out (see the mixture-of-experts tests)
+        fix(tensors)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     assert not unexpected, f"GGUF tensors transformers could not place: {unexpected}"
@@ -306,3 +309,184 @@ def test_build_is_deterministic(tiny_zoo, tmp_path):
             assert n1 == n2 and torch.equal(t1, t2), n1
         assert filecmp.cmp(again.gguf_path, tiny_zoo.gguf(variant, "F32"), shallow=False)
         assert filecmp.cmp(again.safetensors_dir / "tokenizer.json", first.safetensors_dir / "tokenizer.json", shallow=False)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Mixtures of experts.
+#
+# transformers reads qwen3moe and qwen2moe GGUFs (its Qwen2MoeTensorProcessor); not Mixtral's (llama with
+# experts), OLMoE's, nor gpt-oss's (its processor expects tensor names llama.cpp does not write). Those are checked
+# byte for byte against the safetensors checkpoint instead, through the converter's documented transformations.
+# Where transformers' reader falls short of what llama.cpp writes, the test says so and fixes that one thing:
+#   * the expert widths (`expert_feed_forward_length`, `expert_shared_feed_forward_length`) are not in its
+#     mappings, nor Qwen3-MoE's dense layers (no GGUF key): patched from the config;
+#   * the dense MLP of a Qwen3-MoE dense layer (`blk.1.ffn_gate` ...) is not in gguf-py's qwen3moe layout, so not
+#     in transformers' name map either: placed from gguf-py's reader;
+#   * Qwen2-MoE's shared-expert gate: the converter writes it [1, H] as the checkpoint has it; transformers adds
+#     a dimension (for the 1-D one the older converter's squeeze wrote): taken back off.
+
+TRANSFORMERS_MOE = ["qwen3_moe", "qwen2_moe"]
+
+
+def _moe_patch(tiny) -> dict:
+    cfg = tiny.config
+    patch = {"moe_intermediate_size": cfg.moe_intermediate_size}
+    if tiny.family == "qwen2_moe":
+        patch["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
+    if tiny.family == "qwen3_moe":
+        patch["mlp_only_layers"] = list(cfg.mlp_only_layers)
+    return patch
+
+
+def _moe_fix(reader):
+    dense = {}
+    for t in reader.tensors:
+        if m := re.fullmatch(r"blk\.(\d+)\.ffn_(gate|up|down)\.weight", t.name):
+            dense[f"model.layers.{m[1]}.mlp.{m[2]}_proj.weight"] = torch.from_numpy(
+                gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).copy())
+
+    def fix(tensors):
+        for name in list(tensors):
+            if name.endswith("shared_expert_gate.weight"):
+                tensors[name] = tensors[name].reshape(1, -1)
+        tensors.update(dense)
+
+    return fix
+
+
+@pytest.mark.parametrize("gguf_type", ["F32", "Q8_0", "Q4_0"])
+@pytest.mark.parametrize("variant", TRANSFORMERS_MOE)
+def test_transformers_loads_our_moe_gguf_as_the_roundtripped_reference(tiny_zoo, variant, gguf_type):
+    """transformers' GGUF loader rebuilds the tiny MoE's config and exactly `reference_model`'s weights, experts
+    (gate and up split from its fused stacks) included."""
+    tiny = tiny_zoo.model(variant)
+    path = tiny_zoo.gguf(variant, gguf_type)
+    reader, _ = _read_fields(path)
+    model, config = _load_with_transformers(path, _moe_patch(tiny), _moe_fix(reader))
+    orig = tiny.config
+    for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                "vocab_size", "num_experts", "num_experts_per_tok", "norm_topk_prob", "tie_word_embeddings"):
+        assert getattr(config, key) == getattr(orig, key), key
+    assert tm._head_dim(config) == tm._head_dim(orig)
+    ref = tiny_zoo.reference(variant, gguf_type)
+    loaded = model.state_dict()
+    for name, param in ref.state_dict().items():
+        assert torch.equal(loaded[name], param), f"{name}: max diff {(loaded[name] - param).abs().max():.3e}"
+    if gguf_type != "F32":  # quantization really changed the experts
+        experts = f"model.layers.0.mlp.experts.gate_up_proj"
+        assert not torch.equal(ref.state_dict()[experts], tiny.hf_model.state_dict()[experts])
+    ids = _long_ids(tiny)
+    want = hf_logits(ref, ids)
+    assert float((hf_logits(model, ids) - want).abs().max()) < 1e-5 * max(1.0, float(want.abs().max()))
+
+
+def _checkpoint(tiny) -> dict[str, torch.Tensor]:
+    """The safetensors file as transformers saved it (the per-expert or gpt-oss layout llama.cpp converts)."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(tiny.safetensors_dir.glob("*.safetensors")):
+        out |= load_file(str(f))
+    return out
+
+
+def _converted_experts(tiny, layer: int) -> dict[str, torch.Tensor]:
+    """What llama.cpp's converter makes of one layer's experts in the checkpoint (Qwen2MoeModel / OlmoeModel /
+    LlamaModel.modify_tensors: per-expert tensors stacked; GptOssModel: stacks transposed, gate/up interleave
+    split), by GGUF name."""
+    ck = _checkpoint(tiny)
+    p = f"model.layers.{layer}."
+    if tiny.family == "gpt_oss":
+        gate_up, bias = ck[f"{p}mlp.experts.gate_up_proj"].transpose(-1, -2), ck[f"{p}mlp.experts.gate_up_proj_bias"]
+        return {"ffn_gate_exps.weight": gate_up[:, ::2, :], "ffn_up_exps.weight": gate_up[:, 1::2, :],
+                "ffn_down_exps.weight": ck[f"{p}mlp.experts.down_proj"].transpose(-1, -2),
+                "ffn_gate_exps.bias": bias[..., ::2], "ffn_up_exps.bias": bias[..., 1::2],
+                "ffn_down_exps.bias": ck[f"{p}mlp.experts.down_proj_bias"],
+                "ffn_gate_inp.weight": ck[f"{p}mlp.router.weight"], "ffn_gate_inp.bias": ck[f"{p}mlp.router.bias"]}
+    n = tiny.config.num_local_experts if tiny.family == "mixtral" else tiny.config.num_experts
+    if tiny.family == "mixtral":
+        names, router = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}, "block_sparse_moe.gate"
+        expert = f"{p}block_sparse_moe.experts.{{e}}.{{w}}.weight"
+    else:
+        names, router = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}, \
+            "mlp.gate"
+        expert = f"{p}mlp.experts.{{e}}.{{w}}.weight"
+    out = {f"{g}.weight": torch.stack([ck[expert.format(e=e, w=w)] for e in range(n)]) for w, g in names.items()}
+    out["ffn_gate_inp.weight"] = ck[f"{p}{router}.weight"]
+    if tiny.family == "qwen2_moe":
+        for w in ("gate", "up", "down"):
+            out[f"ffn_{w}_shexp.weight"] = ck[f"{p}mlp.shared_expert.{w}_proj.weight"]
+        out["ffn_gate_inp_shexp.weight"] = ck[f"{p}mlp.shared_expert_gate.weight"]
+    return out
+
+
+def _moe_block_names(tiny, layer: int) -> set[str]:
+    family = tiny.family
+    names = {"attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight"}
+    names.add("post_attention_norm.weight" if family == "gpt_oss" else "ffn_norm.weight")
+    if family in ("qwen3_moe", "olmoe"):
+        names |= {"attn_q_norm.weight", "attn_k_norm.weight"}
+    if family in ("qwen2_moe", "gpt_oss"):
+        names |= {"attn_q.bias", "attn_k.bias", "attn_v.bias"}
+    if family == "gpt_oss":
+        names |= {"attn_output.bias", "attn_sinks.weight"}
+    if layer in (getattr(tiny.config, "mlp_only_layers", None) or []):
+        return names | {"ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"}
+    return names | set(_converted_experts(tiny, layer))
+
+
+@pytest.mark.parametrize("variant", MOE_VARIANTS)
+def test_moe_gguf_layout_is_the_converters_from_the_checkpoint(tiny_zoo, variant):
+    """llama.cpp's architecture, MoE keys, tensor names and the expert stacks' bytes: what its converter makes of
+    the safetensors checkpoint (per-expert tensors stacked [E, out, in], ne = [in, out, E])."""
+    tiny = tiny_zoo.model(variant)
+    cfg = tiny.config
+    reader, f = _read_fields(tiny_zoo.gguf(variant, "F32"))
+    arch = tm.gguf_arch(tiny)
+    assert f["general.architecture"] == arch == {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama",
+                                                 "olmoe": "olmoe", "gpt_oss": "gpt-oss"}[variant]
+    experts = cfg.num_local_experts if variant in ("mixtral", "gpt_oss") else cfg.num_experts
+    assert (f[f"{arch}.expert_count"], f[f"{arch}.expert_used_count"]) == (experts, cfg.num_experts_per_tok)
+    if variant in ("qwen3_moe", "qwen2_moe"):
+        assert f[f"{arch}.expert_feed_forward_length"] == cfg.moe_intermediate_size
+    if variant == "qwen2_moe":
+        assert f[f"{arch}.expert_shared_feed_forward_length"] == cfg.shared_expert_intermediate_size
+    if variant == "gpt_oss":
+        rope = cfg.rope_parameters
+        assert f[f"{arch}.attention.sliding_window"] == cfg.sliding_window
+        assert f[f"{arch}.expert_feed_forward_length"] == cfg.intermediate_size
+        assert (f[f"{arch}.rope.scaling.type"], f[f"{arch}.rope.scaling.factor"]) == ("yarn", rope["factor"])
+        assert f[f"{arch}.rope.scaling.original_context_length"] == rope["original_max_position_embeddings"]
+        assert (f[f"{arch}.rope.scaling.yarn_beta_fast"], f[f"{arch}.rope.scaling.yarn_beta_slow"]) == \
+            (rope["beta_fast"], rope["beta_slow"])
+    by_name = {t.name: t for t in reader.tensors}
+    want = {"token_embd.weight", "output_norm.weight", "output.weight"}
+    want |= {f"blk.{i}.{n}" for i in range(cfg.num_hidden_layers) for n in _moe_block_names(tiny, i)}
+    assert set(by_name) == want
+    for i in range(cfg.num_hidden_layers):
+        if f"blk.{i}.ffn_gate_inp.weight" not in by_name:
+            continue
+        for name, tensor in _converted_experts(tiny, i).items():
+            t = by_name[f"blk.{i}.{name}"]
+            assert [int(d) for d in t.shape] == list(reversed(tensor.shape)), name  # ggml order
+            assert torch.equal(torch.from_numpy(_raw_tensor(reader, t.name).copy()).reshape(tensor.shape), tensor)
+
+
+@pytest.mark.parametrize("variant,gguf_type", [(v, "Q8_0") for v in MOE_VARIANTS] + [("gpt_oss", "MXFP4")])
+def test_moe_quantized_copies_quantize_the_experts_and_keep_routers_f32(tiny_zoo, variant, gguf_type):
+    """As the converter: every matrix and expert stack in the type (F16 where its rows are not whole blocks),
+    routers, the shared-expert gate, norms, biases and sinks F32; MXFP4 only for the experts."""
+    reader, f = _read_fields(tiny_zoo.gguf(variant, gguf_type))
+    assert f["general.file_type"] == int(tm._FILE_TYPE[gguf_type])
+    block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[gguf_type]][0]
+    seen = set()
+    for t in reader.tensors:
+        matrix = len(t.shape) >= 2 and t.name.endswith(".weight") and not t.name.endswith("norm.weight")
+        router = ".ffn_gate_inp" in t.name
+        if not matrix or router or (gguf_type == "MXFP4" and "_exps" not in t.name):
+            want = "F32"
+        else:
+            want = gguf_type if int(t.shape[0]) % block == 0 else "F16"
+        assert t.tensor_type.name == want, t.name
+        seen.add(want)
+    assert gguf_type in seen and "F32" in seen
