@@ -10,11 +10,14 @@ import os
 import re
 from typing import Any
 
+import numpy as np
 import torch
+from gguf.constants import GGMLQuantizationType as Q
 
 from engine.config import ModelConfig, config_from_gguf
 from engine.errors import UnsupportedModelError
 from engine.model.quant import Affine4Bit
+from engine.model.quant.mxfp4 import Mxfp4Tensor
 from engine.weights import Progress, no_progress
 from engine.weights.dequant import affine_4bit, dequantize, has_affine_4bit_form
 from engine.weights.gguf_format import GGUFFile, TensorEntry, read_gguf_metadata
@@ -65,20 +68,24 @@ def _param_name(gguf_name: str, family: str) -> str | None:
 
 
 def _lazy_experts(gguf: GGUFFile, entry: TensorEntry, keep_4bit: bool) -> LazyExperts:
-    """A 3-D expert tensor [E, out, in] as experts read on demand from the memory map (`Affine4Bit` each for 4-bit
-    blocks with `keep_4bit`, else float32)."""
+    """A 3-D expert tensor [E, out, in] as experts read on demand from the memory map: `Mxfp4Tensor` each for MXFP4,
+    `Affine4Bit` each for 4-bit blocks with `keep_4bit`, else float32."""
     count, out_features, in_features = entry.shape
+    shape = (out_features, in_features)
     raw = gguf.raw(entry)  # a view of the map: [E, out, bytes per row], nothing read yet
-    four_bit = keep_4bit and has_affine_4bit_form(entry.ggml_type)
+    form = "mxfp4" if entry.ggml_type == Q.MXFP4 else \
+        "affine4bit" if keep_4bit and has_affine_4bit_form(entry.ggml_type) else "float"
 
-    def read(e: int) -> torch.Tensor | Affine4Bit:
-        if four_bit:
-            w = affine_4bit(raw[e], entry.ggml_type, (out_features, in_features))
+    def read(e: int) -> torch.Tensor | Affine4Bit | Mxfp4Tensor:
+        if form == "mxfp4":
+            return Mxfp4Tensor.from_gguf_blocks(torch.from_numpy(np.array(raw[e])), shape)
+        if form == "affine4bit":
+            w = affine_4bit(raw[e], entry.ggml_type, shape)
             assert w is not None
             return w
-        return dequantize(raw[e], entry.ggml_type, (out_features, in_features), f"{entry.name} expert {e}")
+        return dequantize(raw[e], entry.ggml_type, shape, f"{entry.name} expert {e}")
 
-    return LazyExperts(count, out_features, in_features, read, four_bit, entry.ggml_type, lambda e: raw[e], entry.name)
+    return LazyExperts(count, out_features, in_features, read, form, entry.ggml_type, lambda e: raw[e], entry.name)
 
 
 def load_gguf(path: str | os.PathLike[str], keep_4bit: bool = False, progress: Progress = no_progress
@@ -87,7 +94,8 @@ def load_gguf(path: str | os.PathLike[str], keep_4bit: bool = False, progress: P
     """(config, float32 state dict in the decoder's names, metadata, llama3 rope frequency factors or None).
 
     With `keep_4bit`, 4-bit matrices (Q4_0, Q4_1, Q4_K) come as exact `Affine4Bit` codes instead of floats.
-    Expert stacks come as `LazyExperts` (unread; each expert an `Affine4Bit` or float32 when read).
+    Expert stacks come as `LazyExperts`, unread (each expert, when read: an `Affine4Bit` as above, an exact
+    `Mxfp4Tensor` for MXFP4 whatever `keep_4bit`, else float32).
     """
     gguf = GGUFFile(path)
     cfg = config_from_gguf(gguf.metadata, has_output_tensor="output.weight" in gguf.tensors,

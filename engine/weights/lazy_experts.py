@@ -3,41 +3,52 @@
 A 30B mixture of experts at 4 bits is nearly all expert weights; decoded whole they would take two to seven times
 the file (uint8 codes with float scales, or floats), so the reader keeps them where they are (the memory-mapped
 file) and hands out a `LazyExperts`: a sequence of E per-expert weights [out, in], each decoded from the file when
-it is asked for — an exact `Affine4Bit` for 4-bit blocks (Q4_0, Q4_1, Q4_K) when the loader keeps 4 bits, else a
-float32 tensor. Whoever packs the experts (an expert stack module) takes them one by one; `to(dtype=...)` fills
-one tensor of the compute dtype an expert at a time, for the float path. The loader's fuse step joins the gate and
-up stacks with `cat`, lazily too.
+it is asked for, in the stack's `form`:
+
+- "affine4bit": exact `Affine4Bit` codes (Q4_0, Q4_1, Q4_K blocks, when the loader keeps 4 bits);
+- "mxfp4": exact `Mxfp4Tensor` blocks (GGUF's MXFP4, whatever the mode: 4 bits are what gpt-oss ships);
+- "float": float32 tensors (every other type, or 4-bit blocks when the loader does not keep them).
+
+Whoever packs the experts takes them one by one (an expert stack module packs an iterable of experts as it comes,
+engine/model/quant/experts.py), or `stacked()` in their own form (MXFP4 stacks stay as they are); `to(dtype=...)`
+fills one tensor of the compute dtype an expert at a time, for the float path. The loader's fuse step joins the
+gate and up stacks with `cat`, lazily too.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Union
+from typing import Literal, Union
 
 import torch
 
-from engine.model.quant import Affine4Bit
+from engine.model.quant import GROUP_SIZE, Affine4Bit
+from engine.model.quant.mxfp4 import MXFP4_BLOCK, Mxfp4Tensor
 
-ExpertWeight = Union[torch.Tensor, Affine4Bit]
+ExpertWeight = Union[torch.Tensor, Affine4Bit, Mxfp4Tensor]
+ExpertForm = Literal["float", "affine4bit", "mxfp4"]
+_FORMS = {"float": torch.Tensor, "affine4bit": Affine4Bit, "mxfp4": Mxfp4Tensor}
 
 
 def _dense(w: ExpertWeight) -> torch.Tensor:
-    return w.dequantize() if isinstance(w, Affine4Bit) else w
+    return w if isinstance(w, torch.Tensor) else w.dequantize()
 
 
 class LazyExperts(Sequence[ExpertWeight]):
-    """E experts' weights of one projection, [E, out, in], each read by `read(expert)` when asked for.
+    """E experts' weights of one projection, [E, out, in], each read by `read(expert)` when asked for, in `form`.
 
-    `four_bit`: the experts come as `Affine4Bit` (else as float32 tensors). `ggml_type`: the file's type of the
-    weights (None for a concatenation of stacks of different types); `raw(expert)`: that expert's bytes in the file
-    (uint8 [out, bytes per row]), for a packer that reads a format directly (GGUF's MXFP4 blocks).
+    `ggml_type`: the file's type of the weights (None for a concatenation of stacks of different types);
+    `raw(expert)`: that expert's bytes in the file (uint8 [out, bytes per row]), for a packer that reads a format
+    directly.
     """
 
     def __init__(self, count: int, out_features: int, in_features: int, read: Callable[[int], ExpertWeight],
-                 four_bit: bool, ggml_type: int | None = None,
+                 form: ExpertForm, ggml_type: int | None = None,
                  raw: Callable[[int], object] | None = None, name: str = "") -> None:
+        if form not in _FORMS:
+            raise ValueError(f"unknown expert form {form!r}")
         self._count, self._read, self._raw = count, read, raw
         self.out_features, self.in_features = out_features, in_features
-        self.four_bit, self.ggml_type, self.name = four_bit, ggml_type, name
+        self.form, self.ggml_type, self.name = form, ggml_type, name
 
     @property
     def shape(self) -> torch.Size:
@@ -52,9 +63,9 @@ class LazyExperts(Sequence[ExpertWeight]):
         if not -self._count <= expert < self._count:
             raise IndexError(f"expert {expert} of {self._count}")
         w = self._read(expert % self._count)
-        if tuple(w.shape) != (self.out_features, self.in_features):
-            raise ValueError(f"{self.name}: expert {expert} read as {tuple(w.shape)}, expected "
-                             f"{(self.out_features, self.in_features)}")
+        if not isinstance(w, _FORMS[self.form]) or tuple(w.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"{self.name}: expert {expert} read as {type(w).__name__} {tuple(w.shape)}, expected "
+                             f"{self.form} {(self.out_features, self.in_features)}")
         return w
 
     def __iter__(self) -> Iterator[ExpertWeight]:
@@ -79,32 +90,57 @@ class LazyExperts(Sequence[ExpertWeight]):
         stacked = self.dequantize(dtype or torch.float32)
         return stacked if device is None else stacked.to(device)
 
+    def stacked(self) -> torch.Tensor | Affine4Bit | Mxfp4Tensor:
+        """All experts in their own form, stacked [E, out, in] (float32, `Affine4Bit` or `Mxfp4Tensor`), written
+        into tensors allocated once, an expert at a time."""
+        if self.form == "float":
+            return self.dequantize()
+        e, out_f, in_f = self.shape
+        if self.form == "affine4bit":
+            groups = (e, out_f, in_f // GROUP_SIZE)
+            whole = Affine4Bit(torch.empty(e, out_f, in_f, dtype=torch.uint8), torch.empty(groups),
+                               torch.empty(groups))
+        else:
+            whole = Mxfp4Tensor(torch.empty(e, out_f, in_f // 2, dtype=torch.uint8),
+                                torch.empty(e, out_f, in_f // MXFP4_BLOCK, dtype=torch.uint8))
+        fields = ("codes", "scale", "offset") if self.form == "affine4bit" else ("blocks", "scales")
+        for i in range(e):
+            w = self[i]
+            for f in fields:
+                getattr(whole, f)[i] = getattr(w, f)
+        return whole
+
     def narrow(self, start: int, length: int) -> LazyExperts:
         """Experts start..start + length (an expert-parallel rank's share), still unread."""
         if start < 0 or length < 0 or start + length > self._count:
             raise IndexError(f"experts {start}..{start + length} of {self._count}")
         raw = None if self._raw is None else (lambda e: self._raw(start + e))
         return LazyExperts(length, self.out_features, self.in_features, lambda e: self._read(start + e),
-                           self.four_bit, self.ggml_type, raw, self.name)
+                           self.form, self.ggml_type, raw, self.name)
 
     @staticmethod
     def cat(parts: Sequence[LazyExperts], dim: int = 1) -> LazyExperts:
-        """The stacks' output rows concatenated, expert by expert (the gate rows, then the up rows)."""
+        """The stacks' output rows concatenated, expert by expert (the gate rows, then the up rows): in their
+        form when they share one, else as floats."""
         if dim not in (1, -2):
             raise ValueError("expert stacks concatenate along their output rows (dim 1)")
         count, in_features = len(parts[0]), parts[0].in_features
         if any(len(p) != count or p.in_features != in_features for p in parts):
             raise ValueError(f"cannot concatenate expert stacks of shapes {[tuple(p.shape) for p in parts]}")
-        four_bit = all(p.four_bit for p in parts)
+        forms = {p.form for p in parts}
+        form = forms.pop() if len(forms) == 1 else "float"
 
         def read(e: int) -> ExpertWeight:
             ws = [p[e] for p in parts]
-            return Affine4Bit.cat(ws) if four_bit else torch.cat([_dense(w) for w in ws])
+            if form == "affine4bit":
+                return Affine4Bit.cat(ws)
+            if form == "mxfp4":
+                return Mxfp4Tensor.cat(ws)
+            return torch.cat([_dense(w) for w in ws])
 
         types = {p.ggml_type for p in parts}
-        return LazyExperts(count, sum(p.out_features for p in parts), in_features, read, four_bit,
+        return LazyExperts(count, sum(p.out_features for p in parts), in_features, read, form,
                            types.pop() if len(types) == 1 else None, None, "+".join(p.name for p in parts))
 
     def __repr__(self) -> str:
-        kind = "Affine4Bit" if self.four_bit else "float32"
-        return f"LazyExperts({self.name or '?'}, {tuple(self.shape)}, {kind} per expert)"
+        return f"LazyExperts({self.name or '?'}, {tuple(self.shape)}, {self.form} per expert)"

@@ -38,11 +38,11 @@ ALL_VARIANTS = VARIANTS + MOE_VARIANTS
 CASES = [(v, f) for v in ALL_VARIANTS for f in FORMATS]
 QUANTIZED = GGUF_TYPES[1:]
 # (variant, GGUF type): every dense family in every quantized type; the mixtures of experts in the 8- and 4-bit
-# block types (experts included), a few others, and gpt-oss's experts as MXFP4
+# block types (experts included), a few others, and experts as MXFP4 (gpt-oss's, and Qwen3-MoE's)
 QUANTIZED_CASES = ([(v, t) for v in VARIANTS for t in QUANTIZED]
                    + [(v, t) for v in MOE_VARIANTS for t in ("Q8_0", "Q4_0")]
                    + [("qwen3_moe", "Q4_1"), ("qwen2_moe", "Q5_0"), ("mixtral", "BF16"), ("olmoe", "F16")]
-                   + [("gpt_oss", t) for t in MOE_GGUF_TYPES])
+                   + [(v, t) for v in ("gpt_oss", "qwen3_moe") for t in MOE_GGUF_TYPES])
 PROMPT_LEN = 24
 DECODE_STEPS = 16
 LONG = 36

@@ -19,6 +19,7 @@ from gguf.quants import dequantize as ref_dequantize
 from engine import load_runner
 from engine.config import config_from_gguf, config_from_hf
 from engine.model.quant import Affine4Bit
+from engine.model.quant.mxfp4 import Mxfp4Tensor
 from engine.weights.gguf import load_gguf
 from engine.weights.gguf_format import GGUFFile
 from engine.weights.lazy_experts import LazyExperts
@@ -27,6 +28,17 @@ from tests.support.tiny_models import MOE_VARIANTS
 
 EXPERT_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4"]
 FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K"}  # the types whose blocks are exact Affine4Bit codes
+_CLASS = {"float": torch.Tensor, "affine4bit": Affine4Bit, "mxfp4": Mxfp4Tensor}
+
+
+def _form(expert_type: str, keep_4bit: bool) -> str:
+    if expert_type == "MXFP4":  # gpt-oss's own format stays exact whatever the mode
+        return "mxfp4"
+    return "affine4bit" if keep_4bit and expert_type in FOUR_BIT else "float"
+
+
+def _dense(w) -> torch.Tensor:
+    return w if isinstance(w, torch.Tensor) else w.dequantize()
 
 
 @pytest.mark.parametrize("variant", MOE_VARIANTS)
@@ -103,46 +115,73 @@ def test_expert_stacks_read_an_expert_at_a_time_as_gguf_dequantizes_them(random_
         want = torch.from_numpy(ref_dequantize(t.data, t.tensor_type).astype(np.float32))
         want = want.reshape(*reversed([int(d) for d in t.shape]))
         assert isinstance(stack, LazyExperts) and tuple(stack.shape) == tuple(want.shape)
-        assert stack.four_bit == (keep_4bit and expert_type in FOUR_BIT)
+        assert stack.form == _form(expert_type, keep_4bit)
         for e in range(len(stack)):
             w = stack[e]
-            assert isinstance(w, Affine4Bit) == stack.four_bit
-            assert torch.equal(w.dequantize() if isinstance(w, Affine4Bit) else w, want[e]), (name, e)
+            assert isinstance(w, _CLASS[stack.form])
+            assert torch.equal(_dense(w), want[e]), (name, e)
         assert torch.equal(stack.to(dtype=torch.bfloat16), want.to(torch.bfloat16))
         assert torch.equal(stack.dequantize(), want)
+        whole = stack.stacked()  # in its own form, [E, out, in]
+        assert isinstance(whole, _CLASS[stack.form]) and tuple(whole.shape) == tuple(want.shape)
+        assert torch.equal(_dense(whole), want)
 
 
-def _counted(count: int, rows: int, cols: int, seed: int, four_bit: bool, reads: list[int]) -> LazyExperts:
-    weights = torch.randn(count, rows, cols, generator=torch.Generator().manual_seed(seed))
+@pytest.mark.parametrize("expert_type", ["Q4_K", "Q4_0", "Q6_K", "MXFP4"])
+def test_expert_stacks_pack_into_the_expert_modules_exactly(random_files, expert_type):
+    """What the loader's int4 path hands the expert modules (engine/model/quant/experts.py): the lazy stack itself,
+    packed an expert at a time (4-bit codes kept; wider types in int8, as the loader treats a GGUF's other
+    matrices), or MXFP4 stacked as it is; each module's weights are the file's (int8: within its rounding)."""
+    from engine.model.quant.experts import Int4Experts, Int8Experts, Mxfp4Experts, expert_stack
+
+    _, state, _, _ = load_gguf(random_files[expert_type], keep_4bit=True)
+    stack = state["layers.0.mlp.experts.gate_proj"]
+    source = stack.stacked() if stack.form == "mxfp4" else stack
+    mode = "int8" if stack.form == "float" else "int4"
+    module = expert_stack(source, None, mode, torch.float32, num_experts=len(stack), in_features=stack.in_features)
+    kind = {"mxfp4": Mxfp4Experts, "affine4bit": Int4Experts, "float": Int8Experts}[stack.form]
+    assert isinstance(module, kind)
+    for e in range(len(stack)):
+        want = _dense(stack[e])
+        tolerance = 0 if kind is not Int8Experts else float(want.abs().max()) / 127
+        torch.testing.assert_close(module.dequantize_expert(e), want, rtol=0, atol=tolerance + 1e-7)
+
+
+def _counted(count: int, rows: int, cols: int, seed: int, form: str, reads: list[int]) -> LazyExperts:
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.randn(count, rows, cols, generator=gen)
+    codes = torch.randint(0, 16, (count, rows, cols), generator=gen, dtype=torch.uint8)  # as 4-bit blocks give
+    exponents = torch.randint(110, 130, (count, rows, cols // 32), generator=gen, dtype=torch.uint8)
 
     def read(e: int):
         reads.append(e)
-        if four_bit:  # codes 0..15 per group of 32, as a 4-bit GGUF block gives
-            return Affine4Bit(torch.arange(rows * cols).remainder(16).to(torch.uint8).view(rows, cols) ^ e,
-                              weights[e, :, ::32].abs(), weights[e, :, 1::32])
+        if form == "affine4bit":
+            return Affine4Bit(codes[e], weights[e, :, ::32].abs(), weights[e, :, 1::32])
+        if form == "mxfp4":
+            return Mxfp4Tensor(codes[e, :, ::2] | (codes[e, :, 1::2] << 4), exponents[e])
         return weights[e]
 
-    return LazyExperts(count, rows, cols, read, four_bit, name=f"stack{seed}")
+    return LazyExperts(count, rows, cols, read, form, name=f"stack{seed}")
 
 
-@pytest.mark.parametrize("four_bit", [False, True])
-def test_concatenated_stacks_read_nothing_until_an_expert_is_asked_for(four_bit):
+@pytest.mark.parametrize("form", ["float", "affine4bit", "mxfp4"])
+def test_concatenated_stacks_read_nothing_until_an_expert_is_asked_for(form):
     reads: list[int] = []
-    gate, up = _counted(3, 8, 64, 0, four_bit, reads), _counted(3, 8, 64, 1, four_bit, reads)
+    gate, up = _counted(3, 8, 64, 0, form, reads), _counted(3, 8, 64, 1, form, reads)
     fused = LazyExperts.cat([gate, up], dim=1)
-    assert reads == [] and tuple(fused.shape) == (3, 16, 64) and fused.four_bit == four_bit
+    assert reads == [] and tuple(fused.shape) == (3, 16, 64) and fused.form == form
     second = fused[1]
-    assert reads == [1, 1] and isinstance(second, Affine4Bit) == four_bit
-    dense = [w.dequantize() if isinstance(w, Affine4Bit) else w for w in (gate[1], up[1], second)]
-    assert torch.equal(dense[2], torch.cat(dense[:2]))
+    assert reads == [1, 1] and isinstance(second, _CLASS[form])
+    assert torch.equal(_dense(second), torch.cat([_dense(gate[1]), _dense(up[1])]))
     share = fused.narrow(1, 2)
     assert len(share) == 2 and torch.equal(share.to(dtype=torch.float32)[0], fused.dequantize()[1])
+    assert torch.equal(_dense(fused.stacked()), fused.dequantize())
 
 
 def test_mixed_stacks_concatenate_as_floats():
     reads: list[int] = []
-    fused = LazyExperts.cat([_counted(2, 8, 64, 0, True, reads), _counted(2, 8, 64, 1, False, reads)])
-    assert not fused.four_bit and isinstance(fused[0], torch.Tensor) and fused[0].shape == (16, 64)
+    fused = LazyExperts.cat([_counted(2, 8, 64, 0, "affine4bit", reads), _counted(2, 8, 64, 1, "mxfp4", reads)])
+    assert fused.form == "float" and isinstance(fused[0], torch.Tensor) and fused[0].shape == (16, 64)
 
 
 @pytest.mark.parametrize("expert_type,other_type", [("Q4_K", "Q6_K"), ("Q5_K", "Q8_0"), ("Q6_K", "Q4_K"),
