@@ -33,6 +33,8 @@ def place_experts(model: torch.nn.Module, state: dict[str, Any], quant: str, dty
         for name in ("gate_up", "down"):
             prefix = f"layers.{i}.mlp.experts.{name}."
             source, bias = state.pop(prefix + "weight"), state.pop(prefix + "bias", None)
+            if getattr(source, "form", None) == "mxfp4":  # a GGUF's MXFP4 experts: stacked as they are, 4 bits
+                source = source.stacked()
             if bias is not None:
                 bias = _dense(bias).to(device)
             if device.type == "cuda":

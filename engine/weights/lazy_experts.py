@@ -51,6 +51,11 @@ class LazyExperts(Sequence[ExpertWeight]):
         self.form, self.ggml_type, self.name = form, ggml_type, name
 
     @property
+    def four_bit(self) -> bool:
+        """Whether the experts come as exact `Affine4Bit` codes."""
+        return self.form == "affine4bit"
+
+    @property
     def shape(self) -> torch.Size:
         return torch.Size((self._count, self.out_features, self.in_features))
 

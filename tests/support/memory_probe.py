@@ -1,14 +1,16 @@
 """How much anonymous memory loading a GGUF takes, measured in a fresh process (a test's own process keeps freed
 heap that later allocations reuse, which would hide growth):
 
-    python -m tests.support.memory_probe MODEL.gguf MODE   # prints {"peak": bytes, "final": bytes, ...}
+    python -m tests.support.memory_probe MODEL.gguf MODE [WARM.gguf]   # prints {"peak": bytes, "final": bytes, ...}
 
 Anonymous memory (the kernel's RssAnon: the heap, torch's tensors) is what a load costs; the file's pages that a
 memory map brings in are the page cache's, shared and dropped under pressure, so they are not counted. A thread
 samples RssAnon every millisecond from just before the load; `peak` and `final` are growths over that baseline.
 
 Modes: `read` (load_gguf with 4-bit codes kept, every expert then read once and dropped), `float` (load_gguf, every
-expert stack materialised as bfloat16 and kept), `runner` (load_runner, int4 weights, bfloat16 activations).
+expert stack materialised as bfloat16 and kept), `runner` (load_runner, int4 weights, bfloat16 activations). A runner's
+first load also pays once for what any model needs (compiled kernels, the scripted stack, thread pools): with
+WARM.gguf (a small model of the same architecture), that one is loaded and dropped before the baseline.
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ class PeakSampler:
         self.peak = max(self.peak, rss_anon())
 
 
-def main(path: str, mode: str) -> dict:
+def main(path: str, mode: str, warm: str | None = None) -> dict:
     import torch
 
     from engine import load_runner
@@ -57,11 +59,14 @@ def main(path: str, mode: str) -> dict:
     from engine.weights.lazy_experts import LazyExperts
 
     torch.set_num_threads(1)
+    runner_options = dict(dtype="bfloat16", quant="int4", max_context=64, kv_cache_memory=1 << 20)
+    if warm is not None:
+        load_runner(warm, **runner_options).close()
     kept: list = []
     base = rss_anon()
     with PeakSampler() as sampler:
         if mode == "runner":
-            kept.append(load_runner(path, dtype="bfloat16", quant="int4", max_context=64, kv_cache_memory=1 << 20))
+            kept.append(load_runner(path, **runner_options))
         else:
             _, state, _, _ = load_gguf(path, keep_4bit=mode == "read")
             kept.append(state)
@@ -76,4 +81,4 @@ def main(path: str, mode: str) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1], sys.argv[2])))
+    print(json.dumps(main(*sys.argv[1:4])))
