@@ -298,6 +298,8 @@ def gguf_rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
         def mscale(m: float) -> float:
             return 1.0 if scaling["factor"] <= 1 else 0.1 * m * math.log(scaling["factor"]) + 1.0
         scaling["attention_factor"] = extra * mscale(1.0) / mscale(scaling.get("mscale_all_dim", 1.0))
+    if get("yarn_attn_factor") is not None:  # what the converter writes for a config's own attention_factor
+        scaling["attention_factor"] = float(get("yarn_attn_factor"))
     if arch in _YARN_UNTRUNCATED:
         scaling["truncate"] = False
     return scaling
