@@ -44,6 +44,21 @@ END_OF_TURN_TOKENS = frozenset({
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>",
     "<｜end▁of▁sentence｜>", "<end_of_utterance>",
 })
+# gpt-oss's harmony format: its output ends with <|return|> (an answer) or <|call|> (a tool call), while <|end|> only
+# ends one of its messages (the analysis before the answer): with both of these in the vocabulary they end a turn
+# and <|end|> does not, as llama.cpp decides for gpt-oss.
+HARMONY_END_TOKENS = ("<|return|>", "<|call|>")
+HARMONY_MESSAGE_END = "<|end|>"
+
+
+def end_of_turn_ids(ids: set[int], backend: _Backend) -> frozenset[int]:
+    """The ids that end a generation: `ids` (the model's EOS and those its files list) and the end-of-turn tokens of
+    the vocabulary, less harmony's message end where the vocabulary has harmony's own end tokens."""
+    ends = set(ids) | {i for i in (backend.token_to_id(t) for t in END_OF_TURN_TOKENS) if i is not None}
+    harmony = [backend.token_to_id(t) for t in HARMONY_END_TOKENS]
+    if all(i is not None for i in harmony):
+        ends = (ends | set(harmony)) - {backend.token_to_id(HARMONY_MESSAGE_END)}
+    return frozenset(ends)
 
 # Byte-level BPE pre-tokenizers by `tokenizer.ggml.pre`: the regexes llama.cpp splits with, in turn, and whether
 # a word that is itself a token skips the merges. Names missing here fall back to GPT-2's split.
@@ -296,8 +311,7 @@ class Tokenizer:
         pre = meta.get("tokenizer.ggml.pre")
         default_bos = meta.get("tokenizer.ggml.model") == "llama" or pre in _BOS_BY_DEFAULT
         ends = {i for i in (eos, token_id("eot_token_id"), token_id("eom_token_id")) if i is not None}
-        ends |= {i for i in (backend.token_to_id(t) for t in END_OF_TURN_TOKENS) if i is not None}
-        return cls(backend, bos_token_id=bos, eos_token_id=eos, end_token_ids=frozenset(ends),
+        return cls(backend, bos_token_id=bos, eos_token_id=eos, end_token_ids=end_of_turn_ids(ends, backend),
                    add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", default_bos)) and bos is not None,
                    chat_template=meta.get("tokenizer.chat_template"), byte_level=byte_level,
                    strip_leading_space=strip, unk_token_id=token_id("unknown_token_id"),
@@ -331,14 +345,13 @@ class Tokenizer:
         bos, eos = token_id("bos_token"), token_id("eos_token")
         listed = generation.get("eos_token_id")
         ends = {eos, *(listed if isinstance(listed, list) else [listed])} - {None}
-        ends |= {i for i in (backend.token_to_id(t) for t in END_OF_TURN_TOKENS) if i is not None}
         add_bos = config.get("add_bos_token")
         framing = backend.encode("", add_special_tokens=True).ids
         if add_bos is None:  # transformers 5 states it only through the post-processor
             add_bos = bos is not None and framing[:1] == [bos]
         template = pretrained_chat_template(path, config)
         steps = _decoder_steps(backend)
-        return cls(backend, bos_token_id=bos, eos_token_id=eos, end_token_ids=frozenset(ends),
+        return cls(backend, bos_token_id=bos, eos_token_id=eos, end_token_ids=end_of_turn_ids(ends, backend),
                    add_bos_token=bool(add_bos) and bos is not None, chat_template=template,
                    byte_level=any(s.get("type") == "ByteLevel" for s in steps),
                    strip_leading_space=_strips_leading_space(steps), unk_token_id=token_id("unk_token"),

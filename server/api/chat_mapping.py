@@ -146,7 +146,7 @@ class ChatMappedServing(OpenAIServing):
         """The chat's prompt ids (the chat template with the tools, off the event loop)."""
         with self.own_field_names():
             return await prompt_work(chat_prompt_ids, self.state, chat.messages, chat.add_generation_prompt,
-                                           tools, chat.chat_template_kwargs)
+                                     tools, chat.chat_template_kwargs, chat.reasoning_effort)
 
     async def start(self, chat: ChatCompletionRequest, rid: str, arrival: float) -> tuple[Generation, ToolPlan | None]:
         """The chat's Generation, queued for a worker (429 when the queue is full), and the tool plan its output

@@ -245,7 +245,8 @@ async def _tokenize(state: ModelState, body: TokenizeRequest) -> TokenizeRespons
     if (body.prompt is None) == (body.messages is None):
         raise invalid("give exactly one of prompt or messages", param="prompt")
     if body.messages is not None:
-        ids = await prompt_work(chat_prompt_ids, state, body.messages, body.add_generation_prompt)
+        ids = await prompt_work(chat_prompt_ids, state, body.messages, body.add_generation_prompt, None,
+                                body.chat_template_kwargs, body.reasoning_effort)
     else:
         ids = await prompt_work(state.model.tokenizer.encode, body.prompt, body.add_special_tokens)
     return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=state.model.context_size)

@@ -8,7 +8,8 @@ its arguments, the exact characters the model wrote, so the fragments of a call 
 - "hermes": text, then `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Qwen2/2.5/3);
 - "llama3": the whole output one `{"name": ..., "parameters": {...}}` object when it starts with "{" (Llama 3.x);
 - "generic": the whole output one JSON envelope, `{"tool_call": CALL}`, `{"tool_calls": [CALL, ...]}` or
-  `{"response": "text"}` (the text streams as content), as llama-server's generic format.
+  `{"response": "text"}` (the text streams as content), as llama-server's generic format;
+- "harmony" (gpt-oss) is parsed by `server.api.harmony_calls.HarmonyCallParser`, which has this interface.
 
 The JSON is followed one character at a time by `_JsonCursor` (the grammar has already made it valid), so a
 call's name and arguments are known the moment their characters arrive, however the text is cut into tokens.
@@ -23,7 +24,7 @@ from typing import Literal
 
 __all__ = ["ParsedCall", "ToolCallFragment", "ToolCallParser", "ToolFormatName", "new_call_id"]
 
-ToolFormatName = Literal["hermes", "llama3", "generic"]
+ToolFormatName = Literal["hermes", "llama3", "generic", "harmony"]
 Path = tuple[str | int, ...]
 _WS = " \t\n\r"
 

@@ -173,7 +173,8 @@ class Generator:
         with as_generation_errors():
             if isinstance(req, ChatCompletionRequest):
                 return [chat_prompt_ids(self.state, req.messages, add_generation_prompt=True, tools=plan.tools,
-                                        template_kwargs=req.chat_template_kwargs)]
+                                        template_kwargs=req.chat_template_kwargs,
+                                        reasoning_effort=req.reasoning_effort)]
             assert isinstance(req, CompletionRequest)
             if isinstance(req.prompt, str):
                 return [self.tokenizer.encode(req.prompt)]

@@ -3,6 +3,10 @@
 A new format is one line of `REASONING_FORMATS`. `--reasoning-parser auto` (the default) picks the first format
 whose closing tag the chat template writes, or whose both tags are single tokens of the vocabulary; `none` turns
 reasoning off (the thinking stays in the answer's text, as before).
+
+"harmony" (gpt-oss) is no tag pair but messages on channels (server/reasoning/harmony.py): its "tags" are where the
+thinking (the analysis channel) starts and the answer (the final channel) follows, and it is chosen by its chat
+template only, whose control tokens must be single tokens of the vocabulary.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ class ReasoningFormat:
     start: str    # the tag that opens the thinking
     end: str      # the tag that closes it; the answer follows
     models: str   # who writes it (documentation)
+    kind: Literal["tags", "harmony"] = "tags"
 
 
 REASONING_FORMATS: dict[str, ReasoningFormat] = {f.name: f for f in (
@@ -24,7 +29,11 @@ REASONING_FORMATS: dict[str, ReasoningFormat] = {f.name: f for f in (
     ReasoningFormat("qwen3", "<think>", "</think>", "Qwen3 (thinking and hybrid models)"),
     ReasoningFormat("mistral", "[THINK]", "[/THINK]", "Magistral"),
     ReasoningFormat("seed_oss", "<seed:think>", "</seed:think>", "Seed-OSS"),
+    ReasoningFormat("harmony", "<|channel|>analysis<|message|>", "<|start|>assistant<|channel|>final<|message|>",
+                    "gpt-oss (the harmony format: analysis, commentary and final channels)", kind="harmony"),
 )}
+# harmony's control tokens, every one a single special token of a harmony vocabulary
+HARMONY_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
 AUTO, NONE = "auto", "none"
 ReasoningParserName = Literal[AUTO, NONE, *REASONING_FORMATS]  # type: ignore[valid-type]
 
@@ -33,12 +42,17 @@ def detect_format(template: str | None, encode: Callable[[str], Sequence[int]]) 
     """The format a model uses, from its chat template's source and its vocabulary (`encode`: text to its ids,
     no special tokens added); None when neither shows one."""
     for fmt in REASONING_FORMATS.values():
-        if template and fmt.end in template:
+        if template and fmt.end in template and (fmt.kind == "tags" or speaks_harmony(encode)):
             return fmt
     for fmt in REASONING_FORMATS.values():
-        if len(encode(fmt.start)) == 1 and len(encode(fmt.end)) == 1:
+        if fmt.kind == "tags" and len(encode(fmt.start)) == 1 and len(encode(fmt.end)) == 1:
             return fmt
     return None
+
+
+def speaks_harmony(encode: Callable[[str], Sequence[int]]) -> bool:
+    """Whether every harmony control token is one token of the vocabulary."""
+    return all(len(encode(t)) == 1 for t in HARMONY_TOKENS)
 
 
 def choose_format(parser: str, template: str | None, encode: Callable[[str], Sequence[int]]) -> ReasoningFormat | None:
@@ -47,7 +61,11 @@ def choose_format(parser: str, template: str | None, encode: Callable[[str], Seq
         return None
     if parser == AUTO:
         return detect_format(template, encode)
-    return REASONING_FORMATS[parser]
+    fmt = REASONING_FORMATS[parser]
+    if fmt.kind == "harmony" and not speaks_harmony(encode):
+        raise ValueError(f"--reasoning-parser harmony: the vocabulary lacks harmony's control tokens "
+                         f"({' '.join(HARMONY_TOKENS)})")
+    return fmt
 
 
 def opens_thinking(prompt_tail: str, fmt: ReasoningFormat) -> bool:

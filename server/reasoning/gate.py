@@ -8,6 +8,10 @@ processor's advance and rollback), so structured outputs, forced tool calls and 
 - while it thinks, every token is allowed (the thinking is free text) until the budget is spent; from then on
   only the closing tag's tokens, one after the other, as llama-server's reasoning budget does;
 - after the closing tag, the grammar (if any) takes every token, from its start.
+
+For harmony output (server/reasoning/harmony.py) "thinking" is everything before the final channel's text (the
+analysis, preambles, headers), the closing tag is `<|end|><|start|>assistant<|channel|>final<|message|>`, and a grammar
+that holds the whole output (a call forced by tool_choice, `plan.grammar_first`) needs no gate.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from server.reasoning.harmony import HarmonySplitter, new_splitter
 from server.reasoning.plan import Phase, ReasoningPlan
 from server.reasoning.splitter import ReasoningSplitter
 
@@ -77,11 +82,11 @@ class ReasoningGate:
     def __init__(self, plan: ReasoningPlan, inner: TokenMatcher | None, vocab_size: int,
                  token_text: Callable[[int], str]) -> None:
         self.plan, self.inner, self.vocab_size, self.token_text = plan, inner, vocab_size, token_text
-        self.splitter = ReasoningSplitter(plan)
+        self.splitter = new_splitter(plan)
         self.thought = 0
         self.forced = 0
         # The last tokens' states, for speculative decoding's rollbacks (a few tokens at a time).
-        self._undo: deque[tuple[_State, ReasoningSplitter | None]] = deque(maxlen=UNDO_TOKENS)
+        self._undo: deque[tuple[_State, ReasoningSplitter | HarmonySplitter | None]] = deque(maxlen=UNDO_TOKENS)
 
     @property
     def phase(self) -> Phase:
@@ -163,6 +168,6 @@ def choice_matcher(plan: ReasoningPlan | None, inner: TokenMatcher | None, vocab
                    token_text: Callable[[int], str]) -> TokenMatcher | ReasoningGate | None:
     """What stands for a choice's grammar: the grammar's own matcher, or a gate in front of it where the model's
     thinking comes first and there is a grammar to hold back or a budget to keep (else nothing: free text)."""
-    if plan is None or (inner is None and plan.budget is None):
+    if plan is None or (inner is None and plan.budget is None) or plan.grammar_first:
         return inner
     return ReasoningGate(plan, inner, vocab_size, token_text)

@@ -39,7 +39,7 @@ from server.speculative.speculator import Speculator
 from server.speculative.rejection import Proposal, verify_drafts
 from server.scheduling.stopping import StopChecker
 from server.reasoning.gate import choice_matcher
-from server.reasoning.splitter import ReasoningSplitter
+from server.reasoning.harmony import new_splitter
 
 __all__ = ["AUTO_MAX_INTERVAL", "AUTO_STREAMS", "Scheduler", "auto_stream_interval"]
 
@@ -399,7 +399,7 @@ class Scheduler:
                                   min_tokens=gen.min_tokens, ignore_eos=gen.ignore_eos)
             matcher = choice_matcher(gen.reasoning, gen.grammar.matcher() if gen.grammar is not None else None,
                                      self.runner.vocab_size, self._token_text)
-            splitter = ReasoningSplitter(gen.reasoning) if gen.reasoning is not None else None
+            splitter = new_splitter(gen.reasoning) if gen.reasoning is not None else None
             choices.append(SequenceState(gen, kv, index, sampler, stopper, matcher, splitter=splitter))
         state.open_choices = gen.n
         position = self.running.index(seq)

@@ -8,6 +8,7 @@ from engine.cache.block_manager import KVSequence
 
 from server.grammar.compiler import GrammarMatcher
 from server.reasoning.gate import ReasoningGate
+from server.reasoning.harmony import HarmonySplitter
 from server.reasoning.splitter import ReasoningSplitter
 from server.sampling.sampler import SequenceSampler
 from server.scheduling.generation import ChoiceDelta, Generation, PositionLogprobs
@@ -44,7 +45,7 @@ class SequenceState:
     # the generated tokens too.
     matcher: GrammarMatcher | ReasoningGate | None = None
     # Splits the choice's text into its thinking and its answer (a reasoning model's output).
-    splitter: ReasoningSplitter | None = None
+    splitter: ReasoningSplitter | HarmonySplitter | None = None
     prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
     held: HeldOutput = field(default_factory=HeldOutput)
     # Out of the batch for good (its blocks freed): a row of it in a step already launched is dropped.

@@ -91,6 +91,8 @@ class _TokenizerSpec:
     pad: str | None
     add_bos: bool
     chat_template: str
+    # generation_config.json's eos_token_id, when the model lists several end tokens (empty: the eos alone)
+    end_tokens: tuple[str, ...] = ()
 
 
 _CHATML_SPEC = _TokenizerSpec(
@@ -140,6 +142,21 @@ _QWEN3_THINKING_SPEC = _TokenizerSpec(
     pad="<|endoftext|>",
     add_bos=False,
     chat_template=_QWEN3_THINKING_TEMPLATE,
+)
+# gpt-oss's harmony format: its special tokens (in the order of their ids in o200k_harmony), its end tokens as its
+# generation_config.json lists them (<|return|>, <|endoftext|>, <|call|>; <|end|> ends each message, not the
+# output) and openai/gpt-oss-20b's own chat template (tests/data/gpt_oss_chat_template.jinja: the copy llama.cpp
+# ships as models/templates/openai-gpt-oss-120b.jinja, taken from llama-cpp-python's sdist).
+GPT_OSS_TEMPLATE_PATH = Path(__file__).resolve().parents[1] / "data" / "gpt_oss_chat_template.jinja"
+_HARMONY_SPEC = _TokenizerSpec(
+    special=("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>",
+             "<|end|>", "<|message|>", "<|call|>"),
+    bos="<|startoftext|>",
+    eos="<|return|>",
+    pad="<|endoftext|>",
+    add_bos=False,
+    chat_template=GPT_OSS_TEMPLATE_PATH.read_text(encoding="utf-8"),
+    end_tokens=("<|return|>", "<|endoftext|>", "<|call|>"),
 )
 _GEMMA_SPEC = _TokenizerSpec(
     special=("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"),
@@ -224,9 +241,10 @@ def _make_config(variant: str, spec: _TokenizerSpec):
             tie_word_embeddings=True,
             use_sliding_window=False,
         )
-    if variant == "qwen3_thinking":  # room for a thinking budget, tools' prompts and an answer
+    if variant in ("qwen3_thinking", "gpt_oss_harmony"):  # room for a thinking budget, tools' prompts and an answer
         common["max_position_embeddings"] = 2048
-    if variant in ("qwen3", "qwen3_thinking"):  # q/k RMSNorm, head_dim 32 != 64 / 4, untied
+    # gpt_oss_harmony: qwen3's layers for now (the harmony format is the point), gpt_oss's once that family loads
+    if variant in ("qwen3", "qwen3_thinking", "gpt_oss_harmony"):  # q/k RMSNorm, head_dim 32 != 64 / 4, untied
         return Qwen3Config(
             **common,
             intermediate_size=128,
@@ -299,7 +317,7 @@ def _moe_config(variant: str, common: dict):
 
 
 _FAMILY = {"llama_tied": "llama", "llama3_scaled": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
-           "qwen3_thinking": "qwen3", **{variant: variant for variant in MOE_VARIANTS}}
+           "qwen3_thinking": "qwen3", "gpt_oss_harmony": "qwen3", **{variant: variant for variant in MOE_VARIANTS}}
 # The architecture llama.cpp's converter writes (Mixtral as "llama" with experts).
 _GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "qwen3_moe": "qwen3moe",
               "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe", "gpt_oss": "gpt-oss"}
@@ -312,10 +330,12 @@ _SPEC = {
     # A reasoning model (not in VARIANTS: its layers are qwen3's): <think> and </think> are tokens of the vocabulary.
     "qwen3_thinking": _QWEN3_THINKING_SPEC,
     **{variant: _CHATML_SPEC for variant in MOE_VARIANTS},
+    # gpt-oss's tokens and chat template (harmony), for the server's harmony tests (not in VARIANTS)
+    "gpt_oss_harmony": _HARMONY_SPEC,
 }
 # picked so that 16 greedy steps after PROMPTS[0] vary and no two top logits are within 2e-3
 _SEED = {"llama_tied": 107, "llama3_scaled": 307, "qwen2": 407, "qwen3": 507, "gemma3": 15, "qwen3_thinking": 507,
-         "qwen3_moe": 607, "qwen2_moe": 707, "mixtral": 807, "olmoe": 907, "gpt_oss": 1007}
+         "qwen3_moe": 607, "qwen2_moe": 707, "mixtral": 807, "olmoe": 907, "gpt_oss": 1007, "gpt_oss_harmony": 507}
 
 
 @torch.no_grad()
@@ -789,6 +809,8 @@ def build_tiny_model(variant: str, out_dir: Path, gguf_type: str = "F32") -> Tin
     if model.generation_config is not None:
         model.generation_config.bos_token_id = config.bos_token_id
         model.generation_config.eos_token_id = config.eos_token_id
+        if spec.end_tokens:
+            model.generation_config.eos_token_id = [spec.special.index(t) for t in spec.end_tokens]
         model.generation_config.pad_token_id = config.pad_token_id
     model.save_pretrained(str(hf_dir))
 

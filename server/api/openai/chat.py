@@ -16,10 +16,11 @@ from server.api.openai.serving import OpenAIServing, cancel, prompt_work, reques
 from server.api.sse import DONE, event_json, sse_response
 from server.api.openai.preparation import OutputPlan, chat_prompt_ids
 from server.api.openai.tool_calls import ToolPlan
+from server.api.harmony_calls import HarmonyCallParser
 from server.api.tool_parser import ToolCallFragment, ToolCallParser
 
 
-def finish_reason(reason: str | None, parser: ToolCallParser | None) -> str | None:
+def finish_reason(reason: str | None, parser: ToolCallParser | HarmonyCallParser | None) -> str | None:
     """A choice that ended after making calls (rather than by length) finishes with "tool_calls"."""
     return "tool_calls" if reason == "stop" and parser is not None and parser.calls else reason
 
@@ -50,7 +51,7 @@ class ChatServing(OpenAIServing):
 
         async def prompt(plan: OutputPlan) -> list[list[int]]:
             return [await prompt_work(chat_prompt_ids, self.state, req.messages, req.add_generation_prompt,
-                                      plan.tools, req.chat_template_kwargs)]
+                                      plan.tools, req.chat_template_kwargs, req.reasoning_effort)]
 
         prepared = await self.prepare(req, prompt, rid=request_id("chatcmpl"), arrival=arrival)
         gen, calls = prepared.gens[0], prepared.plan.calls

@@ -16,21 +16,27 @@ from server.api.openai.protocol import ChatCompletionRequest, ChatMessage, Compl
 from server.api.openai.structured_outputs import output_grammar
 from server.api.openai.tool_calls import ToolPlan, plan_tools, template_messages, tool_format
 from server.errors import invalid
+from server.reasoning.plan import HARMONY_EFFORTS
 from server.grammar.compiler import GrammarSpec, StructuredOutputError
 from server.scheduling.generation import Generation
 from server.scheduling.model_state import ModelState
 
 
 def chat_prompt_ids(state: ModelState, messages: list[ChatMessage], add_generation_prompt: bool,
-                    tools: ToolPlan | None = None, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                    tools: ToolPlan | None = None, template_kwargs: dict[str, Any] | None = None,
+                    reasoning_effort: str | None = None) -> list[int]:
     """The prompt ids of a chat: the model's chat template over `messages` (and the tools, in the template's call
     format), whose text stays text unless the server trusts its callers (`parse_special_in_messages`); a template
-    that rejects the messages is a 400. The template also gets the server's `--chat-template-kwargs` and, over
-    them, the request's `template_kwargs` (`enable_thinking`, say); the tools stay the server's."""
+    that rejects the messages is a 400. The template also gets the server's `--chat-template-kwargs`, over them the
+    request's `reasoning_effort` (a harmony template's "Reasoning: low | medium | high", the nearest of them), over
+    that the request's `template_kwargs` (`enable_thinking`, say); the tools stay the server's."""
     tokenizer = state.model.tokenizer
     try:
-        conversation, variables = template_messages(messages, tool_format(tokenizer.chat_template), tools)
-        variables = {**state.chat_template_kwargs, **(template_kwargs or {}), **variables}
+        fmt = tool_format(tokenizer.chat_template)
+        conversation, variables = template_messages(messages, fmt, tools)
+        effort = {} if reasoning_effort is None else {
+            "reasoning_effort": HARMONY_EFFORTS[reasoning_effort] if fmt == "harmony" else reasoning_effort}
+        variables = {**state.chat_template_kwargs, **effort, **(template_kwargs or {}), **variables}
         return tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
                                              parse_special_in_messages=state.parse_special_in_messages, **variables)
     except StructuredOutputError as e:

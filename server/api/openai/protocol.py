@@ -224,7 +224,8 @@ class ChatCompletionRequest(StructuredRequest):
     thinking_token_budget: int | None = Field(
         None, ge=0, description="thinking tokens before the closing tag is forced (0: answer at once)")
     reasoning_effort: ReasoningEffort | None = Field(
-        None, description=f"a thinking budget by name (thinking tokens): {efforts_described()}")
+        None, description=f"a thinking budget by name (thinking tokens): {efforts_described()}; a harmony model "
+                          "(gpt-oss) gets it in its chat template instead (low, medium or high)")
 
 
 class CompletionRequest(StructuredRequest):
@@ -260,6 +261,9 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    # a chat's template variables, as a chat completion gives them
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: ReasoningEffort | None = None
 
 
 class DetokenizeRequest(BaseModel):

@@ -19,8 +19,8 @@ from server.scheduling.generation import Event, Generation, GenerationDone, Gene
 from server.grammar.compiler import CompiledGrammar, GrammarCompiler, GrammarSpec, StructuredOutputError
 from server.api.metrics import ServerMetrics
 from server.config.presets import PRESETS, layered_defaults
-from server.api.openai.preparation import (Prepared, PromptIds, budget_fields, plan_output, prompt_logprobs,
-                                          requested_logprobs)
+from server.api.openai.preparation import (OutputPlan, Prepared, PromptIds, budget_fields, plan_output,
+                                          prompt_logprobs, requested_logprobs)
 from server.api.openai.protocol import ChatCompletionRequest, OpenAIRequest, StructuredRequest, TopLogprob, Usage
 from server.logs import current_request
 from server.reasoning.plan import EFFORT_BUDGETS, ReasoningPlan, make_plan
@@ -176,8 +176,9 @@ class OpenAIServing:
     def new_generation(self, req: OpenAIRequest, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
                        rid: str, arrival: float, prompt_logprobs: int | None = None, *, index: int = 0,
                        channel: asyncio.Queue[Any] | None = None,
-                       grammar: CompiledGrammar | None = None) -> Generation:
-        """The Generation for one prompt of `req`; the prompts of one request share `channel` (see `events`)."""
+                       grammar: CompiledGrammar | None = None, output: OutputPlan | None = None) -> Generation:
+        """The Generation for one prompt of `req` held to `output`; the prompts of one request share `channel` (see
+        `events`)."""
         param = "messages" if hasattr(req, "messages") else "prompt"
         if not prompt_ids:
             raise invalid("the prompt is empty: at least one token is needed", param=param)
@@ -193,22 +194,26 @@ class OpenAIServing:
                           stop_token_ids=self.tokenizer.end_token_ids, min_tokens=req.min_tokens,
                           ignore_eos=req.ignore_eos, prompt_logprobs=prompt_logprobs, request_id=rid,
                           prompt_index=index, arrival=arrival, grammar=grammar,
-                          reasoning=self.reasoning_plan(req, prompt_ids),
+                          reasoning=self.reasoning_plan(req, prompt_ids, output),
                           max_backlog=STREAM_BACKLOG_PER_CHOICE * req.n if req.stream else None,
                           stream_interval=self.state.stream_interval, **extra)
 
-    def reasoning_plan(self, req: OpenAIRequest, prompt_ids: list[int]) -> ReasoningPlan | None:
+    def reasoning_plan(self, req: OpenAIRequest, prompt_ids: list[int],
+                       output: OutputPlan | None = None) -> ReasoningPlan | None:
         """How a chat's output thinks (None: a model without a reasoning format, or a completion, whose text is the
         caller's own): its tags, whether the prompt opened the thinking, its budget (`thinking_token_budget`, else
-        `reasoning_effort`'s)."""
+        `reasoning_effort`'s, which a harmony model's template takes instead); for harmony, whether the output's
+        calls are parsed and whether a forced call's grammar holds all of it (`output`'s tool plan)."""
         fmt = self.state.reasoning
         if fmt is None or not isinstance(req, ChatCompletionRequest):
             return None
         budget = req.thinking_token_budget
-        if budget is None and req.reasoning_effort is not None:
+        if budget is None and req.reasoning_effort is not None and fmt.kind != "harmony":
             budget = EFFORT_BUDGETS[req.reasoning_effort]
+        tools = output.tools if output is not None else None
         return make_plan(fmt, prompt_ids, lambda text: self.tokenizer.encode(text, add_special_tokens=False),
-                         self.tokenizer.decode, budget)
+                         self.tokenizer.decode, budget, calls=output is not None and output.calls is not None,
+                         grammar_first=tools is not None and tools.format == "harmony" and tools.grammar is not None)
 
     async def prepare(self, req: StructuredRequest, prompts: PromptIds, *, rid: str, arrival: float,
                       logprobs: tuple[bool, int] | None = None) -> Prepared:
@@ -225,7 +230,7 @@ class OpenAIServing:
         fields, echoed = budget_fields(req), prompt_logprobs(req)
         channel: asyncio.Queue[Any] = asyncio.Queue()  # every prompt's events, as they come
         gens = [self.new_generation(req, p, params, self.completion_budget(req, len(p), *fields), rid, arrival,
-                                    prompt_logprobs=echoed, index=i, channel=channel, grammar=grammar)
+                                    prompt_logprobs=echoed, index=i, channel=channel, grammar=grammar, output=plan)
                 for i, p in enumerate(ids)]
         self.submit(gens)
         return Prepared(gens, plan)

@@ -8,6 +8,12 @@ The call format follows the model's chat template (`tool_format`):
 - "generic", for templates without tool support (SmolLM2, Gemma 3), as llama-server's generic handler: a system
   prompt lists the tools and asks for JSON, `{"tool_call": {"name", "arguments"}}` (`{"tool_calls": [...]}` with
   parallel calls) or `{"response": "..."}`; the conversation's earlier calls and results are written the same way.
+- "harmony", for gpt-oss's template (harmony's channels): the template gets `tools` and earlier turns' `thinking`
+  (an assistant message with several calls becomes one message per call, each call's result right after it: the
+  template writes one call per message and names a result by the call before it); the model writes a message to
+  `functions.NAME` on the commentary channel, ended by `<|call|>`, which ends the output: one call per turn. The
+  reasoning splitter hands the call on as harmony text (server/reasoning/harmony.py) and `HarmonyCallParser` reads
+  it (server/api/harmony_calls.py).
 
 The grammar (`ToolPlan.grammar`): `required` and a named function force calls whose arguments match the function's
 schema; `auto` lets the model write text, and once a call starts (its marker, "{" for llama3) forces the call
@@ -25,6 +31,7 @@ from typing import Any, Literal
 from server.grammar.compiler import JSON_FORMAT, GrammarSpec, StructuredOutputError
 from server.api.openai.protocol import ChatMessage, NamedToolChoice, ToolDefinition
 from server.api.openai.structured_outputs import check_json_schema
+from server.api.harmony_calls import HarmonyCallParser
 from server.api.tool_parser import ToolCallParser, ToolFormatName, new_call_id
 
 __all__ = ["GENERIC_TOOL_PROMPT", "ToolPlan", "plan_tools", "template_messages", "tool_format"]
@@ -40,6 +47,8 @@ GENERIC_TOOL_PROMPT = (
 
 def tool_format(template: str) -> ToolFormatName:
     """The call format a chat template was trained on, by the markers it writes."""
+    if "<|channel|>" in template and "<|call|>" in template:
+        return "harmony"
     if HERMES_START in template:
         return "hermes"
     if "<|start_header_id|>" in template and ("tools" in template or "ipython" in template):
@@ -62,8 +71,10 @@ class ToolPlan:
     def parses_calls(self) -> bool:
         return self.choice != "none"
 
-    def parser(self, new_id: Callable[[], str] = new_call_id) -> ToolCallParser:
+    def parser(self, new_id: Callable[[], str] = new_call_id) -> ToolCallParser | HarmonyCallParser:
         """A parser of one choice's output; `new_id` makes the calls' ids (the endpoint's own prefix)."""
+        if self.format == "harmony":
+            return HarmonyCallParser(new_id=new_id)
         return ToolCallParser(self.format, start_marker=HERMES_START, end_marker=HERMES_END,
                               json_response=self.json_response, new_id=new_id)
 
@@ -129,9 +140,26 @@ def _lark_json(schema: dict[str, Any]) -> str:
     return "%json " + json.dumps({"x-guidance": JSON_FORMAT, **schema}, ensure_ascii=False)
 
 
+def _harmony_grammar(tools: list[ToolDefinition]) -> GrammarSpec:
+    """A forced harmony call: an analysis message or none, then a message to one of `tools` (its arguments under
+    its schema) ended by <|call|>, as gpt-oss writes it."""
+    defs: dict[str, Any] = {}
+    calls = []
+    for i, tool in enumerate(tools):
+        schema = _call_schema(tool, "arguments", defs)["properties"]["arguments"]
+        calls.append(f'call{i}: <|channel|> "commentary to=functions.{tool.function.name} " <|constrain|> "json" '
+                     f"<|message|> {_lark_json(_with_defs(schema, defs))} <|call|>")
+    choices = " | ".join(f"call{i}" for i in range(len(tools)))
+    return GrammarSpec("lark", f"start: analysis? ({choices})\n"
+                       'analysis: <|channel|> "analysis" <|message|> THOUGHT <|end|> <|start|> "assistant"\n'
+                       "THOUGHT: /(.|\\n)*/\n" + "\n".join(calls), "tools")
+
+
 def _grammar(fmt: ToolFormatName, tools: list[ToolDefinition], choice: str, parallel: bool,
-             response: dict[str, Any] | bool | None) -> GrammarSpec:
+             response: dict[str, Any] | bool | None) -> GrammarSpec | None:
     """`response`: the schema of an answer that is no call (None: free text)."""
+    if fmt == "harmony":
+        return None if choice == "auto" else _harmony_grammar(tools)
     args_key = "parameters" if fmt == "llama3" else "arguments"
     defs: dict[str, Any] = {}
     calls = [_call_schema(t, args_key, defs) for t in tools]
@@ -184,7 +212,7 @@ def plan_tools(tools: list[ToolDefinition] | None, tool_choice: str | NamedToolC
             raise StructuredOutputError(f"tool_choice names the function {choice.function.name!r}, which is not "
                                         "in tools", "tool_choice")
         choice = "named"
-    parallel = parallel_tool_calls is not False and choice != "named" and fmt != "llama3"
+    parallel = parallel_tool_calls is not False and choice != "named" and fmt not in ("llama3", "harmony")
     if choice == "none":
         return ToolPlan(fmt, [], "none", parallel, None)
     if choice != "auto":
@@ -195,7 +223,7 @@ def plan_tools(tools: list[ToolDefinition] | None, tool_choice: str | NamedToolC
                                     "response_format")
     definitions = [t.model_dump(exclude_none=True) for t in chosen]
     return ToolPlan(fmt, definitions, choice, parallel, _grammar(fmt, chosen, choice, parallel, response),
-                    json_response=response is not None)
+                    json_response=response is not None and fmt != "harmony")
 
 
 def _arguments(call: Any, where: str) -> Any:
@@ -215,6 +243,30 @@ def _generic_prompt(plan: ToolPlan) -> str:
                                       example=json.dumps(example))
 
 
+def _harmony_turns(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """gpt-oss's template writes one call per assistant message and names a tool result by the call just before
+    it: an assistant message with several calls becomes one message per call (its text and thinking with the
+    first), and each result given by id follows its own call."""
+    out: list[dict[str, Any]] = []
+    results = {m["tool_call_id"]: m for m in conversation if m["role"] == "tool" and "tool_call_id" in m}
+    placed: set[int] = set()
+    for m in conversation:
+        if m["role"] == "tool" and id(m) in placed:
+            continue
+        calls = m.get("tool_calls") or []
+        if m["role"] != "assistant" or len(calls) < 2:
+            out.append(m)
+            continue
+        for i, call in enumerate(calls):
+            turn = {k: v for k, v in m.items() if k != "tool_calls"} if i == 0 else {"role": "assistant"}
+            out.append({"content": "", **turn, "tool_calls": [call]})
+            result = results.get(call["id"])
+            if result is not None and id(result) not in placed:
+                out.append(result)
+                placed.add(id(result))
+    return out
+
+
 def template_messages(messages: list[ChatMessage], fmt: ToolFormatName,
                       plan: ToolPlan | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The conversation as the chat template gets it, and the template variables (`tools`).
@@ -231,6 +283,10 @@ def template_messages(messages: list[ChatMessage], fmt: ToolFormatName,
         thinking = m.reasoning_content if m.reasoning_content is not None else m.reasoning
         if m.role == "assistant" and thinking is not None:
             entry["reasoning_content"] = thinking  # the name templates read (Qwen3's, DeepSeek's)
+            if fmt == "harmony":
+                entry["thinking"] = thinking  # gpt-oss's
+                if m.tool_calls:  # its template takes a call's text or its thinking, not both: the thinking
+                    entry["content"] = ""
         calls = [(c, _arguments(c, f"messages.{i}.tool_calls.{j}")) for j, c in enumerate(m.tool_calls or [])]
         if fmt == "generic":
             if calls:
@@ -248,9 +304,13 @@ def template_messages(messages: list[ChatMessage], fmt: ToolFormatName,
             if m.tool_call_id is not None:
                 entry["tool_call_id"] = m.tool_call_id
         out.append(entry)
+    if fmt == "harmony":
+        out = _harmony_turns(out)
     variables: dict[str, Any] = {}
     if plan is not None and plan.tools:
-        if fmt == "generic":
+        if fmt == "harmony":  # the template writes each description as a comment, and fails on a missing one
+            variables["tools"] = [{**t, "function": {"description": "", **t["function"]}} for t in plan.tools]
+        elif fmt == "generic":
             prompt = _generic_prompt(plan)
             if out and out[0]["role"] == "system":
                 out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}" if out[0]["content"] else prompt}
