@@ -70,8 +70,8 @@ class HarmonySplitter:
         if token in (ids.end, ids.call, ids.return_):
             if route == "reasoning":
                 self.reasoning_tokens += 1
-            elif route == "call" and self.plan.calls:
-                out.answer = self.ids.text(token) or ""
+            elif route == "call" and self.plan.calls:  # whatever ended it (<|call|>, as gpt-oss does, or not)
+                out.answer = "<|call|>"
             self.header, self.route = None, None
         elif route == "reasoning":
             self.reasoning_tokens += 1
