@@ -29,7 +29,7 @@ class ModelCard:
     chat_template: str | None
     template_source: Literal["model", "registry", "fallback"] | None
     reasoning: ReasoningFormat | None      # how its thinking is told from its answer (auto); None: it has none
-    tool_format: ToolFormatName | None     # how tool calls are written: hermes, llama3 or generic
+    tool_format: ToolFormatName | None     # how tool calls are written: hermes, llama3, generic or harmony
 
     def text(self) -> str:
         """The card for the terminal."""
