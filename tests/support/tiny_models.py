@@ -243,8 +243,9 @@ def _make_config(variant: str, spec: _TokenizerSpec):
         )
     if variant in ("qwen3_thinking", "gpt_oss_harmony"):  # room for a thinking budget, tools' prompts and an answer
         common["max_position_embeddings"] = 2048
-    # gpt_oss_harmony: qwen3's layers for now (the harmony format is the point), gpt_oss's once that family loads
-    if variant in ("qwen3", "qwen3_thinking", "gpt_oss_harmony"):  # q/k RMSNorm, head_dim 32 != 64 / 4, untied
+    if variant == "gpt_oss_harmony":  # gpt_oss's layers with gpt-oss's tokens and template
+        return _moe_config("gpt_oss", common)
+    if variant in ("qwen3", "qwen3_thinking"):  # q/k RMSNorm, head_dim 32 != 64 / 4, untied
         return Qwen3Config(
             **common,
             intermediate_size=128,
@@ -317,7 +318,7 @@ def _moe_config(variant: str, common: dict):
 
 
 _FAMILY = {"llama_tied": "llama", "llama3_scaled": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
-           "qwen3_thinking": "qwen3", "gpt_oss_harmony": "qwen3", **{variant: variant for variant in MOE_VARIANTS}}
+           "qwen3_thinking": "qwen3", "gpt_oss_harmony": "gpt_oss", **{v: v for v in MOE_VARIANTS}}
 # The architecture llama.cpp's converter writes (Mixtral as "llama" with experts).
 _GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "qwen3_moe": "qwen3moe",
               "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe", "gpt_oss": "gpt-oss"}

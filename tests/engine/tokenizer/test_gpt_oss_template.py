@@ -7,6 +7,7 @@ and <|call|> end a generation, <|end|> (the end of each message) does not.
 """
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,6 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from engine.tokenizer.chat_template import ChatTemplate
 from engine.tokenizer.tokenizer import Tokenizer
-from engine.weights.gguf import read_gguf_metadata
 from tests.support.tiny_models import GPT_OSS_TEMPLATE_PATH, build_tiny_model
 
 TEMPLATE = GPT_OSS_TEMPLATE_PATH.read_text(encoding="utf-8")
@@ -149,10 +149,24 @@ def harmony_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model("gpt_oss_harmony", tmp_path_factory.mktemp("harmony")).safetensors_dir
 
 
+def gguf_metadata(model: Path) -> dict[str, Any]:
+    """The tokenizer metadata llama.cpp writes into a gpt-oss GGUF (byte-level BPE, "gpt-4o" pre-tokenizer, special
+    tokens as control tokens, EOS <|return|>), from the model's tokenizer.json: no list of end tokens there."""
+    data = json.loads((model / "tokenizer.json").read_text(encoding="utf-8"))
+    tokens = sorted(data["model"]["vocab"], key=data["model"]["vocab"].get)
+    types = [1] * len(tokens)
+    for added in data["added_tokens"]:
+        types[added["id"]] = 3 if added["special"] else 4
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-4o", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.merges": [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]],
+            "tokenizer.ggml.bos_token_id": tokens.index("<|startoftext|>"),
+            "tokenizer.ggml.eos_token_id": tokens.index("<|return|>"), "tokenizer.chat_template": TEMPLATE}
+
+
 def test_return_and_call_end_a_generation_and_end_does_not(harmony_model: Path) -> None:
     from_dir = Tokenizer.from_pretrained_dir(harmony_model)
-    gguf = next(harmony_model.parent.glob("*.gguf"))
-    from_gguf = Tokenizer.from_gguf_metadata(read_gguf_metadata(gguf))  # eos <|return|>, no list of end tokens
+    from_gguf = Tokenizer.from_gguf_metadata(gguf_metadata(harmony_model))
     for tok in (from_dir, from_gguf):
         ends = {tok.id_to_token(i) for i in tok.end_token_ids}
         assert {"<|return|>", "<|call|>"} <= ends and "<|end|>" not in ends
