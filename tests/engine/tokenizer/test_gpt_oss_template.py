@@ -17,6 +17,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from engine.tokenizer.chat_template import ChatTemplate
 from engine.tokenizer.tokenizer import Tokenizer
+from engine.weights.gguf import read_gguf_metadata
 from tests.support.tiny_models import GPT_OSS_TEMPLATE_PATH, build_tiny_model
 
 TEMPLATE = GPT_OSS_TEMPLATE_PATH.read_text(encoding="utf-8")
@@ -167,7 +168,9 @@ def gguf_metadata(model: Path) -> dict[str, Any]:
 def test_return_and_call_end_a_generation_and_end_does_not(harmony_model: Path) -> None:
     from_dir = Tokenizer.from_pretrained_dir(harmony_model)
     from_gguf = Tokenizer.from_gguf_metadata(gguf_metadata(harmony_model))
-    for tok in (from_dir, from_gguf):
+    # and the GGUF the tiny models' writer made of it, as llama.cpp's converter does
+    written = Tokenizer.from_gguf_metadata(read_gguf_metadata(next(harmony_model.parent.glob("*.gguf"))))
+    for tok in (from_dir, from_gguf, written):
         ends = {tok.id_to_token(i) for i in tok.end_token_ids}
         assert {"<|return|>", "<|call|>"} <= ends and "<|end|>" not in ends
     # and the template's own markers are single special tokens, the messages' text stays text
