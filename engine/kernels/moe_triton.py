@@ -1,0 +1,281 @@
+"""The Triton kernels of `engine.kernels.moe` (the layout and why: see that module); imports triton.
+
+Rows of the grouped GEMMs are *slots*: the (token, k) pairs sorted by expert, each expert's run padded to a multiple
+of BLOCK_M, so that every BLOCK_M-row block belongs to one expert and reads that expert's weights once per output
+tile. `ends` [E] holds each expert's padded end slot; a block finds its expert by counting the ends at or before its
+first slot, and a block at or past the last end returns at once (the grid is sized for the worst routing).
+Weights are loaded in their stored format and dequantized in registers before the dot; every product accumulates
+in float32.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+DENSE = tl.constexpr(0)
+MXFP4 = tl.constexpr(1)
+INT4 = tl.constexpr(2)
+SILU = tl.constexpr(0)
+SWIGLU_CLAMP = tl.constexpr(1)
+
+
+# --- alignment: (token, k) pairs → slots grouped by expert --------------------------------------------------------
+
+@triton.jit
+def _chunk_hits(ids_ptr, start, num_pairs, E: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """(pair indices [CHUNK], whether each is routed to an expert of this stack, one-hot [CHUNK, E_PAD] int32)."""
+    pairs = start + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32)
+    routed = (ids >= 0) & (ids < E)  # other ids (another rank's experts, padding) take no slot
+    hit = (routed[:, None] & (ids[:, None] == tl.arange(0, E_PAD)[None, :])).to(tl.int32)
+    return pairs, routed, hit
+
+
+@triton.jit
+def _ranks(hit):
+    """Each pair's rank among the chunk's earlier pairs of its expert (keeps the pairs' order within an expert)."""
+    return tl.sum((tl.cumsum(hit, axis=0) - hit) * hit, axis=1)
+
+
+@triton.jit
+def moe_count_kernel(ids_ptr, counts_ptr, ranks_ptr, num_pairs,
+                     E: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Program (chunk of CHUNK pairs): its pairs per expert → counts [chunks, E_PAD], each pair's rank within its
+    expert in the chunk → ranks [pairs]."""
+    c = tl.program_id(0)
+    pairs, routed, hit = _chunk_hits(ids_ptr, c * CHUNK, num_pairs, E, E_PAD, CHUNK)
+    tl.store(counts_ptr + c * E_PAD + tl.arange(0, E_PAD), tl.sum(hit, axis=0))
+    tl.store(ranks_ptr + pairs, _ranks(hit), mask=pairs < num_pairs)
+
+
+@triton.jit
+def moe_align_kernel(ids_ptr, counts_ptr, ranks_ptr, slots_ptr, ends_ptr, num_pairs, num_chunks,
+                     E: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, CHUNK_ROWS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, SINGLE: tl.constexpr):
+    """Program (chunk): writes its pairs' indices to their slots; program 0 also writes `ends` and the padding
+    slots' sentinel (num_pairs). SINGLE: one chunk holds every pair, counted here (no count kernel before)."""
+    c = tl.program_id(0)
+    experts = tl.arange(0, E_PAD)
+    pairs, routed, hit = _chunk_hits(ids_ptr, c * CHUNK, num_pairs, E, E_PAD, CHUNK)
+    if SINGLE:
+        total = tl.sum(hit, axis=0)
+        before = tl.zeros((E_PAD,), dtype=tl.int32)
+        ranks = _ranks(hit)
+    else:
+        total = tl.zeros((E_PAD,), dtype=tl.int32)
+        before = tl.zeros((E_PAD,), dtype=tl.int32)  # this expert's pairs in the chunks before this one
+        c0 = 0
+        while c0 < num_chunks:  # (a while: the interpreter's range takes no runtime bound)
+            rows = c0 + tl.arange(0, CHUNK_ROWS)
+            counts = tl.load(counts_ptr + rows[:, None] * E_PAD + experts[None, :],
+                             mask=(rows < num_chunks)[:, None], other=0)
+            total += tl.sum(counts, axis=0)
+            before += tl.sum(tl.where((rows < c)[:, None], counts, 0), axis=0)
+            c0 += CHUNK_ROWS
+        ranks = tl.load(ranks_ptr + pairs, mask=pairs < num_pairs, other=0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    slot = tl.sum(hit * (starts + before)[None, :], axis=1) + ranks
+    tl.store(slots_ptr + slot, pairs, mask=routed)
+    if c == 0:
+        tl.store(ends_ptr + experts, ends, mask=experts < E)
+        pad = tl.arange(0, BLOCK_M)
+        tl.store(slots_ptr + (starts + total)[:, None] + pad[None, :],
+                 tl.full((E_PAD, BLOCK_M), 0, tl.int32) + num_pairs,
+                 mask=pad[None, :] < (padded - total)[:, None])
+
+
+# --- the grouped GEMMs ------------------------------------------------------------------------------------------
+
+@triton.jit
+def _block_expert(ends_ptr, row0, E: tl.constexpr, E_PAD: tl.constexpr):
+    """(expert of the block starting at slot row0, the last padded slot + 1)."""
+    experts = tl.arange(0, E_PAD)
+    ends = tl.load(ends_ptr + experts, mask=experts < E, other=0x3FFFFFFF)
+    total = tl.load(ends_ptr + E - 1)
+    return tl.sum((ends <= row0).to(tl.int32), axis=0), total
+
+
+@triton.jit
+def _e2m1(code):
+    """E2M1 codes (4 bits: sign, 2 exponent bits, 1 mantissa bit) → float32: ±{0, .5, 1, 1.5, 2, 3, 4, 6}."""
+    c = code.to(tl.int32)
+    exponent = (c >> 1) & 3
+    mantissa = c & 1
+    bits = tl.where(exponent == 0, mantissa * (126 << 23), ((exponent + 126) << 23) | (mantissa << 22))
+    value = bits.to(tl.float32, bitcast=True)
+    return tl.where(c >= 8, -value, value)
+
+
+@triton.jit
+def _load_a(a_rows, a_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, PACKED: tl.constexpr, EVEN_K: tl.constexpr):
+    """Activations [BLOCK_M, BLOCK_K] at inputs k0.. of the rows `a_rows` [BLOCK_M, 1]; for 4-bit weights the even
+    and odd inputs apart (matching the low and high nibbles), else the tile twice."""
+    if PACKED:
+        ks = k0 + 2 * tl.arange(0, BLOCK_K // 2)[None, :]
+        ok = a_ok if EVEN_K else a_ok & (ks < K)
+        a0 = tl.load(a_rows + ks, mask=ok, other=0.0)
+        a1 = tl.load(a_rows + ks + 1, mask=ok, other=0.0)
+    else:
+        ks = k0 + tl.arange(0, BLOCK_K)[None, :]
+        a0 = tl.load(a_rows + ks, mask=a_ok if EVEN_K else a_ok & (ks < K), other=0.0)
+        a1 = a0
+    return a0, a1
+
+
+@triton.jit
+def _load_b(w_cols, s_cols, o_cols, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, FORMAT: tl.constexpr,
+            EVEN_K: tl.constexpr, DT: tl.constexpr):
+    """Weights [BLOCK_K, BLOCK_N] in DT at inputs k0.. of the output rows whose starts are `w_cols` [1, BLOCK_N]
+    (scales `s_cols`, offsets `o_cols`); 4-bit formats as (even inputs, odd inputs) [BLOCK_K / 2, BLOCK_N]."""
+    if FORMAT == DENSE:
+        ks = k0 + tl.arange(0, BLOCK_K)[:, None]
+        if EVEN_K:
+            b0 = tl.load(w_cols + ks).to(DT)
+        else:
+            b0 = tl.load(w_cols + ks, mask=ks < K, other=0.0).to(DT)
+        b1 = b0
+    else:
+        half = tl.arange(0, BLOCK_K // 2)[:, None]
+        group = k0 // 32 + half // 16  # byte j of the tile holds inputs 2j, 2j + 1: group (k0 + 2j) / 32
+        ok = k0 + 2 * half < K
+        if EVEN_K:
+            q = tl.load(w_cols + k0 // 2 + half)
+        else:
+            q = tl.load(w_cols + k0 // 2 + half, mask=ok, other=0)
+        if FORMAT == MXFP4:
+            if EVEN_K:
+                e8m0 = tl.load(s_cols + group)
+            else:
+                e8m0 = tl.load(s_cols + group, mask=ok, other=127)
+            scale = (e8m0.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(e - 127) (e = 0: 0, not 2^-127)
+            b0 = (_e2m1(q & 15) * scale).to(DT)
+            b1 = (_e2m1(q >> 4) * scale).to(DT)
+        else:  # INT4: code * scale + offset
+            scale = tl.load(s_cols + group, mask=ok, other=0.0).to(tl.float32)
+            offset = tl.load(o_cols + group, mask=ok, other=0.0).to(tl.float32)
+            b0 = ((q & 15).to(tl.float32) * scale + offset).to(DT)
+            b1 = ((q >> 4).to(tl.float32) * scale + offset).to(DT)
+    return b0, b1
+
+
+@triton.jit
+def _dot(acc, a, b, PRECISION: tl.constexpr):
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def moe_gate_up_kernel(x_ptr, w_ptr, ws_ptr, wo_ptr, bias_ptr, slots_ptr, ends_ptr, out_ptr, num_pairs,
+                       stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_be, alpha, limit,
+                       E: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr, K: tl.constexpr,
+                       I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       FORMAT: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (block of BLOCK_M slots, BLOCK_N intermediate features): act(x @ gate^T + b, x @ up^T + b) of the
+    block's tokens with its expert's gate rows n and up rows I + n, stored to out [slots, I] in out's dtype."""
+    pid = tl.program_id(0)
+    NUM_N: tl.constexpr = (I + BLOCK_N - 1) // BLOCK_N
+    pid_m = pid // NUM_N
+    pid_n = pid % NUM_N
+    row0 = pid_m * BLOCK_M
+    e, total = _block_expert(ends_ptr, row0, E, E_PAD)
+    if row0 >= total:
+        return
+    DT: tl.constexpr = out_ptr.dtype.element_ty
+    rows = row0 + tl.arange(0, BLOCK_M)
+    pairs = tl.load(slots_ptr + rows)
+    valid = pairs < num_pairs
+    a_rows = x_ptr + (pairs // TOP_K).to(tl.int64)[:, None] * stride_x
+    a_ok = valid[:, None]
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_cols = cols % I  # in bounds; the columns past I are not stored
+    e64 = e.to(tl.int64)
+    g_cols = w_ptr + e64 * stride_we + in_cols[None, :].to(tl.int64) * stride_wn
+    u_cols = g_cols + I * stride_wn
+    gs_cols = ws_ptr + e64 * stride_se + in_cols[None, :] * stride_sn
+    us_cols = gs_cols + I * stride_sn
+    go_cols = wo_ptr + e64 * stride_se + in_cols[None, :] * stride_sn
+    uo_cols = go_cols + I * stride_sn
+    PACKED: tl.constexpr = FORMAT != DENSE
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a0, a1 = _load_a(a_rows, a_ok, k0, K, BLOCK_K, PACKED, EVEN_K)
+        g0, g1 = _load_b(g_cols, gs_cols, go_cols, k0, K, BLOCK_K, FORMAT, EVEN_K, DT)
+        u0, u1 = _load_b(u_cols, us_cols, uo_cols, k0, K, BLOCK_K, FORMAT, EVEN_K, DT)
+        acc_g = _dot(acc_g, a0.to(DT), g0, PRECISION)
+        acc_u = _dot(acc_u, a0.to(DT), u0, PRECISION)
+        if PACKED:
+            acc_g = _dot(acc_g, a1.to(DT), g1, PRECISION)
+            acc_u = _dot(acc_u, a1.to(DT), u1, PRECISION)
+    if HAS_BIAS:
+        acc_g += tl.load(bias_ptr + e64 * stride_be + in_cols).to(tl.float32)[None, :]
+        acc_u += tl.load(bias_ptr + e64 * stride_be + I + in_cols).to(tl.float32)[None, :]
+    if ACTIVATION == SWIGLU_CLAMP:  # gpt-oss: gate clamped above, up both ways, (up + 1) * gate * sigmoid(alpha gate)
+        gate = tl.minimum(acc_g, limit)
+        up = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        act = gate / (1.0 + tl.exp(-alpha * gate)) * (up + 1.0)
+    else:
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * I + cols[None, :], act.to(DT),
+             mask=valid[:, None] & (cols < I)[None, :])
+
+
+@triton.jit
+def moe_down_kernel(a_ptr, w_ptr, ws_ptr, wo_ptr, bias_ptr, slots_ptr, ends_ptr, weights_ptr, out_ptr, num_pairs,
+                    stride_we, stride_wn, stride_se, stride_sn, stride_be,
+                    E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FORMAT: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (block of BLOCK_M slots, BLOCK_N hidden features): routing weight x (a @ down^T + b) of the block's
+    activations a [slots, K] with its expert's down rows, stored in float32 to out [pairs, H] at each slot's pair."""
+    pid = tl.program_id(0)
+    NUM_N: tl.constexpr = (H + BLOCK_N - 1) // BLOCK_N
+    pid_m = pid // NUM_N
+    pid_n = pid % NUM_N
+    row0 = pid_m * BLOCK_M
+    e, total = _block_expert(ends_ptr, row0, E, E_PAD)
+    if row0 >= total:
+        return
+    DT: tl.constexpr = a_ptr.dtype.element_ty
+    rows = row0 + tl.arange(0, BLOCK_M)
+    pairs = tl.load(slots_ptr + rows)
+    valid = pairs < num_pairs
+    a_rows = a_ptr + rows.to(tl.int64)[:, None] * K
+    a_ok = valid[:, None]  # padding slots' activations were never written
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_cols = cols % H
+    e64 = e.to(tl.int64)
+    w_cols = w_ptr + e64 * stride_we + in_cols[None, :].to(tl.int64) * stride_wn
+    s_cols = ws_ptr + e64 * stride_se + in_cols[None, :] * stride_sn
+    o_cols = wo_ptr + e64 * stride_se + in_cols[None, :] * stride_sn
+    PACKED: tl.constexpr = FORMAT != DENSE
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a0, a1 = _load_a(a_rows, a_ok, k0, K, BLOCK_K, PACKED, EVEN_K)
+        b0, b1 = _load_b(w_cols, s_cols, o_cols, k0, K, BLOCK_K, FORMAT, EVEN_K, DT)
+        acc = _dot(acc, a0, b0, PRECISION)
+        if PACKED:
+            acc = _dot(acc, a1, b1, PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + e64 * stride_be + in_cols).to(tl.float32)[None, :]
+    routing = tl.load(weights_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
+    tl.store(out_ptr + pairs.to(tl.int64)[:, None] * H + cols[None, :], acc * routing[:, None],
+             mask=valid[:, None] & (cols < H)[None, :])
+
+
+@triton.jit
+def moe_sum_kernel(parts_ptr, ids_ptr, out_ptr, E: tl.constexpr, TOP_K: tl.constexpr, H: tl.constexpr,
+                   BLOCK_H: tl.constexpr):
+    """Program (token, BLOCK_H features): the sum of its TOP_K weighted expert outputs parts [pairs, H] (float32),
+    in order of k, pairs of no expert of this stack skipped; rounded once to out's dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = cols < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        e = tl.load(ids_ptr + t * TOP_K + j)
+        routed = (e >= 0) & (e < E)
+        acc += tl.load(parts_ptr + (t * TOP_K + j) * H + cols, mask=ok & routed, other=0.0)
+    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
