@@ -108,7 +108,7 @@ def measure(name: str, s: Shape, tokens: int, sweep: bool, peak_gbps: float) -> 
                 moe.fused_experts(x, ids, w, gu, dn, b1, b2, s.activation, config=config)
         return run
 
-    default = moe.moe_config(tokens * s.top_k, s.experts, s.format != "dense")
+    default = moe.moe_config(tokens * s.top_k, s.experts, s.hidden, s.inter, s.format != "dense")
     us = per_call_us(calls(None), layers)
     row = {"shape": name, "tokens": tokens, "config": default._asdict(), "us": round(us, 2),
            "routed_mb": round(routed_bytes / 1e6, 2), "gb_s": round(routed_bytes / us / 1e3, 1)}

@@ -60,12 +60,20 @@ def dense(w: Tensor) -> ExpertWeights:
     return ExpertWeights("dense", w, None, None)
 
 
+def _groups_by_column(t: Tensor) -> Tensor:
+    """[E, out, groups] with the outputs adjacent in memory (a [E, groups, out] tensor's view): the kernels load a
+    tile's columns' scales of one group together."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def mxfp4(blocks: Tensor, scales: Tensor) -> ExpertWeights:
-    return ExpertWeights("mxfp4", blocks, scales, None)
+    """An MXFP4 stack (the scales copied into the kernels' layout: `_groups_by_column`)."""
+    return ExpertWeights("mxfp4", blocks, _groups_by_column(scales), None)
 
 
 def int4(packed: Tensor, scales: Tensor, offsets: Tensor) -> ExpertWeights:
-    return ExpertWeights("int4", packed, scales, offsets)
+    """An affine int4 stack (scales and offsets copied into the kernels' layout)."""
+    return ExpertWeights("int4", packed, _groups_by_column(scales), _groups_by_column(offsets))
 
 
 def pack_nibbles(codes: Tensor) -> Tensor:
@@ -146,15 +154,21 @@ class MoeConfig(NamedTuple):
     align_chunk: int = 0  # pairs a program of the alignment counts (0: from the number of experts)
 
 
-def moe_config(num_pairs: int, num_experts: int, packed: bool) -> MoeConfig:
+def moe_config(num_pairs: int, num_experts: int, hidden: int, inter: int, packed: bool) -> MoeConfig:
     """BLOCK_M from the pairs an expert gets on average (16 at decode: one block an expert); narrow output tiles
-    while blocks are few, so that enough programs share the weight reads."""
+    while blocks are few, so that enough programs share the weight reads; the widest input tile that divides the
+    inputs (no masks)."""
     per_expert = num_pairs / num_experts
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
-    block_k = 128 if packed else 64 if block_m == 64 else 128
+
+    def block_k(inputs: int, widest: int) -> int:
+        return next((b for b in (256, 128, 64) if b <= widest and inputs % b == 0), 64)
+
     if block_m == 16:
-        return MoeConfig(16, GemmConfig(32, block_k, 4, 4), GemmConfig(64, block_k, 4, 4))
-    return MoeConfig(block_m, GemmConfig(64, block_k, 4, 3), GemmConfig(128, block_k, 8, 3))
+        return MoeConfig(16, GemmConfig(32, block_k(hidden, 128), 4, 4), GemmConfig(64, block_k(inter, 128), 4, 4))
+    widest = 128 if packed else 64
+    return MoeConfig(block_m, GemmConfig(64, block_k(hidden, widest), 4, 3),
+                     GemmConfig(128, block_k(inter, widest), 8, 3))
 
 
 def max_slots(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -193,13 +207,14 @@ def align(topk_ids: Tensor, num_experts: int, block_m: int, chunk: int = 0) -> T
     return slots, ends
 
 
-def _format_args(w: ExpertWeights) -> Tuple[Tensor, Tensor, int, int, int]:
-    """(scales, offsets, their expert and row strides, the kernels' FORMAT) of a stack (dummies for dense)."""
+def _format_args(w: ExpertWeights) -> Tuple[Tensor, Tensor, int, int, int, int]:
+    """(scales, offsets, their expert, row and group strides, the kernels' FORMAT) of a stack (dummies for
+    dense)."""
     if w.format == "dense":
-        return w.data, w.data, 0, 0, 0
+        return w.data, w.data, 0, 0, 0, 0
     scales = w.scales
     offsets = w.offsets if w.offsets is not None else scales
-    return scales, offsets, scales.stride(0), scales.stride(1), FORMATS.index(w.format)
+    return scales, offsets, scales.stride(0), scales.stride(1), scales.stride(2), FORMATS.index(w.format)
 
 
 def _check(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up: ExpertWeights, down: ExpertWeights,
@@ -243,7 +258,8 @@ def _launch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up: ExpertWe
     out = torch.empty_like(x)
     if n == 0:
         return out
-    cfg = config if config is not None else moe_config(num_pairs, num_experts, gate_up.format != "dense")
+    cfg = config if config is not None else moe_config(num_pairs, num_experts, hidden, inter,
+                                                       gate_up.format != "dense")
     x = x if x.stride(-1) == 1 else x.contiguous()
     ids = topk_ids.contiguous()
     routing = topk_weights.contiguous()
@@ -253,22 +269,22 @@ def _launch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up: ExpertWe
     e_pad = _next_pow2(num_experts)
 
     act = torch.empty((slots.shape[0], inter), dtype=x.dtype, device=x.device)
-    s, o, sse, ssn, fmt = _format_args(gate_up)
+    s, o, sse, ssn, ssg, fmt = _format_args(gate_up)
     g = cfg.gate_up
     _kernels.moe_gate_up_kernel[(blocks * -(-inter // g.block_n),)](
         x, gate_up.data, s, o, x if gate_up_bias is None else gate_up_bias, slots, ends, act, num_pairs,
-        x.stride(0), gate_up.data.stride(0), gate_up.data.stride(1), sse, ssn,
+        x.stride(0), gate_up.data.stride(0), gate_up.data.stride(1), sse, ssn, ssg,
         0 if gate_up_bias is None else gate_up_bias.stride(0), float(alpha), float(limit),
         E=num_experts, E_PAD=e_pad, TOP_K=top_k, K=hidden, I=inter, BLOCK_M=cfg.block_m, BLOCK_N=g.block_n,
         BLOCK_K=g.block_k, FORMAT=fmt, ACTIVATION=ACTIVATIONS.index(activation), HAS_BIAS=gate_up_bias is not None,
         EVEN_K=hidden % g.block_k == 0, PRECISION=precision, num_warps=g.warps, num_stages=g.stages)
 
     parts = torch.empty((num_pairs, hidden), dtype=torch.float32, device=x.device)
-    s, o, sse, ssn, fmt = _format_args(down)
+    s, o, sse, ssn, ssg, fmt = _format_args(down)
     d = cfg.down
     _kernels.moe_down_kernel[(blocks * -(-hidden // d.block_n),)](
         act, down.data, s, o, act if down_bias is None else down_bias, slots, ends, routing, parts, num_pairs,
-        down.data.stride(0), down.data.stride(1), sse, ssn, 0 if down_bias is None else down_bias.stride(0),
+        down.data.stride(0), down.data.stride(1), sse, ssn, ssg, 0 if down_bias is None else down_bias.stride(0),
         E=num_experts, E_PAD=e_pad, K=inter, H=hidden, BLOCK_M=cfg.block_m, BLOCK_N=d.block_n, BLOCK_K=d.block_k,
         FORMAT=fmt, HAS_BIAS=down_bias is not None, EVEN_K=inter % d.block_k == 0, PRECISION=precision,
         num_warps=d.warps, num_stages=d.stages)

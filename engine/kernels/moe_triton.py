@@ -98,14 +98,21 @@ def _block_expert(ends_ptr, row0, E: tl.constexpr, E_PAD: tl.constexpr):
 
 
 @triton.jit
-def _e2m1(code):
-    """E2M1 codes (4 bits: sign, 2 exponent bits, 1 mantissa bit) → float32: ±{0, .5, 1, 1.5, 2, 3, 4, 6}."""
+def _mxfp4(code, scale_bits, DT: tl.constexpr):
+    """MXFP4 elements in DT: E2M1 codes (4 bits: sign, 2 exponent bits, 1 mantissa bit: +-{0, .5, 1, 1.5, 2, 3, 4,
+    6}) times 2^(e - 127) of their E8M0 byte e. bfloat16 is built from bits: magnitudes from 1 are the code's 3 bits
+    shifted under bfloat16's exponent plus the scale's (`scale_bits` = (e - 1) << 7), 0.5 the scale's exponent
+    alone, no float arithmetic (e in 1..253, as trained weights' scales are); other dtypes multiply in float32."""
     c = code.to(tl.int32)
-    exponent = (c >> 1) & 3
-    mantissa = c & 1
-    bits = tl.where(exponent == 0, mantissa * (126 << 23), ((exponent + 126) << 23) | (mantissa << 22))
-    value = bits.to(tl.float32, bitcast=True)
-    return tl.where(c >= 8, -value, value)
+    magnitude = c & 7
+    if DT == tl.bfloat16:
+        bits = tl.where(magnitude >= 2, (magnitude << 6) + scale_bits, magnitude * scale_bits) | ((c & 8) << 12)
+        return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    exponent = magnitude >> 1
+    half = (magnitude & 1) << 22
+    value = tl.where(exponent == 0, half * 252, ((exponent + 126) << 23) | half).to(tl.float32, bitcast=True)
+    value = tl.where(c >= 8, -value, value)
+    return (value * (((scale_bits >> 7) + 1) << 23).to(tl.float32, bitcast=True)).to(DT)
 
 
 @triton.jit
@@ -125,10 +132,12 @@ def _load_a(a_rows, a_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, PACKED: tl
 
 
 @triton.jit
-def _load_b(w_cols, s_cols, o_cols, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, FORMAT: tl.constexpr,
-            EVEN_K: tl.constexpr, DT: tl.constexpr):
+def _load_b(w_cols, s_cols, o_cols, stride_sg, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+            FORMAT: tl.constexpr, EVEN_K: tl.constexpr, DT: tl.constexpr):
     """Weights [BLOCK_K, BLOCK_N] in DT at inputs k0.. of the output rows whose starts are `w_cols` [1, BLOCK_N]
-    (scales `s_cols`, offsets `o_cols`); 4-bit formats as (even inputs, odd inputs) [BLOCK_K / 2, BLOCK_N]."""
+    (their scales `s_cols` and offsets `o_cols`, groups `stride_sg` apart); 4-bit formats as (even inputs, odd
+    inputs) [BLOCK_K / 2, BLOCK_N], dequantized as [groups, 16 bytes, BLOCK_N] so that a group's scale is loaded
+    once."""
     if FORMAT == DENSE:
         ks = k0 + tl.arange(0, BLOCK_K)[:, None]
         if EVEN_K:
@@ -137,26 +146,29 @@ def _load_b(w_cols, s_cols, o_cols, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, 
             b0 = tl.load(w_cols + ks, mask=ks < K, other=0.0).to(DT)
         b1 = b0
     else:
-        half = tl.arange(0, BLOCK_K // 2)[:, None]
-        group = k0 // 32 + half // 16  # byte j of the tile holds inputs 2j, 2j + 1: group (k0 + 2j) / 32
-        ok = k0 + 2 * half < K
+        GROUPS: tl.constexpr = BLOCK_K // 32
+        group = k0 // 32 + tl.arange(0, GROUPS)[:, None, None]
+        byte = group * 16 + tl.arange(0, 16)[None, :, None]  # byte j of a row holds inputs 2j (low), 2j + 1 (high)
+        group_ok = group * 32 < K
         if EVEN_K:
-            q = tl.load(w_cols + k0 // 2 + half)
+            q = tl.load(w_cols[None, :, :] + byte)
         else:
-            q = tl.load(w_cols + k0 // 2 + half, mask=ok, other=0)
+            q = tl.load(w_cols[None, :, :] + byte, mask=group_ok, other=0)
         if FORMAT == MXFP4:
             if EVEN_K:
-                e8m0 = tl.load(s_cols + group)
+                e8m0 = tl.load(s_cols[None, :, :] + group * stride_sg)
             else:
-                e8m0 = tl.load(s_cols + group, mask=ok, other=127)
-            scale = (e8m0.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(e - 127) (e = 0: 0, not 2^-127)
-            b0 = (_e2m1(q & 15) * scale).to(DT)
-            b1 = (_e2m1(q >> 4) * scale).to(DT)
+                e8m0 = tl.load(s_cols[None, :, :] + group * stride_sg, mask=group_ok, other=127)
+            scale_bits = (tl.maximum(e8m0.to(tl.int32), 1) - 1) << 7
+            b0 = _mxfp4(q & 15, scale_bits, DT)
+            b1 = _mxfp4(q >> 4, scale_bits, DT)
         else:  # INT4: code * scale + offset
-            scale = tl.load(s_cols + group, mask=ok, other=0.0).to(tl.float32)
-            offset = tl.load(o_cols + group, mask=ok, other=0.0).to(tl.float32)
+            scale = tl.load(s_cols[None, :, :] + group * stride_sg, mask=group_ok, other=0.0).to(tl.float32)
+            offset = tl.load(o_cols[None, :, :] + group * stride_sg, mask=group_ok, other=0.0).to(tl.float32)
             b0 = ((q & 15).to(tl.float32) * scale + offset).to(DT)
             b1 = ((q >> 4).to(tl.float32) * scale + offset).to(DT)
+        b0 = tl.reshape(b0, (BLOCK_K // 2, BLOCK_N))
+        b1 = tl.reshape(b1, (BLOCK_K // 2, BLOCK_N))
     return b0, b1
 
 
@@ -167,7 +179,7 @@ def _dot(acc, a, b, PRECISION: tl.constexpr):
 
 @triton.jit
 def moe_gate_up_kernel(x_ptr, w_ptr, ws_ptr, wo_ptr, bias_ptr, slots_ptr, ends_ptr, out_ptr, num_pairs,
-                       stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_be, alpha, limit,
+                       stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_sg, stride_be, alpha, limit,
                        E: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr, K: tl.constexpr,
                        I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        FORMAT: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -202,8 +214,8 @@ def moe_gate_up_kernel(x_ptr, w_ptr, ws_ptr, wo_ptr, bias_ptr, slots_ptr, ends_p
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a0, a1 = _load_a(a_rows, a_ok, k0, K, BLOCK_K, PACKED, EVEN_K)
-        g0, g1 = _load_b(g_cols, gs_cols, go_cols, k0, K, BLOCK_K, FORMAT, EVEN_K, DT)
-        u0, u1 = _load_b(u_cols, us_cols, uo_cols, k0, K, BLOCK_K, FORMAT, EVEN_K, DT)
+        g0, g1 = _load_b(g_cols, gs_cols, go_cols, stride_sg, k0, K, BLOCK_K, BLOCK_N, FORMAT, EVEN_K, DT)
+        u0, u1 = _load_b(u_cols, us_cols, uo_cols, stride_sg, k0, K, BLOCK_K, BLOCK_N, FORMAT, EVEN_K, DT)
         acc_g = _dot(acc_g, a0.to(DT), g0, PRECISION)
         acc_u = _dot(acc_u, a0.to(DT), u0, PRECISION)
         if PACKED:
@@ -224,7 +236,7 @@ def moe_gate_up_kernel(x_ptr, w_ptr, ws_ptr, wo_ptr, bias_ptr, slots_ptr, ends_p
 
 @triton.jit
 def moe_down_kernel(a_ptr, w_ptr, ws_ptr, wo_ptr, bias_ptr, slots_ptr, ends_ptr, weights_ptr, out_ptr, num_pairs,
-                    stride_we, stride_wn, stride_se, stride_sn, stride_be,
+                    stride_we, stride_wn, stride_se, stride_sn, stride_sg, stride_be,
                     E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FORMAT: tl.constexpr,
                     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
@@ -254,7 +266,7 @@ def moe_down_kernel(a_ptr, w_ptr, ws_ptr, wo_ptr, bias_ptr, slots_ptr, ends_ptr,
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a0, a1 = _load_a(a_rows, a_ok, k0, K, BLOCK_K, PACKED, EVEN_K)
-        b0, b1 = _load_b(w_cols, s_cols, o_cols, k0, K, BLOCK_K, FORMAT, EVEN_K, DT)
+        b0, b1 = _load_b(w_cols, s_cols, o_cols, stride_sg, k0, K, BLOCK_K, BLOCK_N, FORMAT, EVEN_K, DT)
         acc = _dot(acc, a0, b0, PRECISION)
         if PACKED:
             acc = _dot(acc, a1, b1, PRECISION)
