@@ -77,8 +77,8 @@ def per_call_us(fn: Callable[[], None], calls: int, replays: int = 20) -> float:
 
 def sweep_grid(block_m: int) -> list[moe.GemmConfig]:
     """4 warps at every tile, 8 at the widest; 3 or 4 stages."""
-    return ([moe.GemmConfig(n, k, 4, st) for n, k, st in itertools.product((16, 32, 64, 128), (64, 128, 256), (3, 4))]
-            + [moe.GemmConfig(128, k, 8, st) for k, st in itertools.product((128, 256), (3, 4))])
+    return ([moe.GemmConfig(n, k, 4, st) for n, k, st in itertools.product((32, 64, 128), (64, 128, 256), (3, 4))]
+            + [moe.GemmConfig(128, k, 8, 3) for k in (128, 256)])
 
 
 def measure(name: str, s: Shape, tokens: int, sweep: bool, peak_gbps: float) -> dict:

@@ -277,7 +277,7 @@ def _launch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up: ExpertWe
         0 if gate_up_bias is None else gate_up_bias.stride(0), float(alpha), float(limit),
         E=num_experts, E_PAD=e_pad, TOP_K=top_k, K=hidden, I=inter, BLOCK_M=cfg.block_m, BLOCK_N=g.block_n,
         BLOCK_K=g.block_k, FORMAT=fmt, ACTIVATION=ACTIVATIONS.index(activation), HAS_BIAS=gate_up_bias is not None,
-        EVEN_K=hidden % g.block_k == 0, PRECISION=precision, num_warps=g.warps, num_stages=g.stages)
+        EVEN_K=hidden % g.block_k == 0, PRECISION=precision, ASM=x.is_cuda, num_warps=g.warps, num_stages=g.stages)
 
     parts = torch.empty((num_pairs, hidden), dtype=torch.float32, device=x.device)
     s, o, sse, ssn, ssg, fmt = _format_args(down)
@@ -287,7 +287,7 @@ def _launch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up: ExpertWe
         down.data.stride(0), down.data.stride(1), sse, ssn, ssg, 0 if down_bias is None else down_bias.stride(0),
         E=num_experts, E_PAD=e_pad, K=inter, H=hidden, BLOCK_M=cfg.block_m, BLOCK_N=d.block_n, BLOCK_K=d.block_k,
         FORMAT=fmt, HAS_BIAS=down_bias is not None, EVEN_K=inter % d.block_k == 0, PRECISION=precision,
-        num_warps=d.warps, num_stages=d.stages)
+        ASM=x.is_cuda, num_warps=d.warps, num_stages=d.stages)
 
     block_h = min(1024, _next_pow2(hidden))
     _kernels.moe_sum_kernel[(n, -(-hidden // block_h))](parts, ids, out, E=num_experts, TOP_K=top_k, H=hidden,

@@ -116,66 +116,123 @@ def _mxfp4(code, scale_bits, DT: tl.constexpr):
 
 
 @triton.jit
-def _load_a(a_rows, a_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, PACKED: tl.constexpr, EVEN_K: tl.constexpr):
-    """Activations [BLOCK_M, BLOCK_K] at inputs k0.. of the rows `a_rows` [BLOCK_M, 1]; for 4-bit weights the even
-    and odd inputs apart (matching the low and high nibbles), else the tile twice."""
-    if PACKED:
-        ks = k0 + 2 * tl.arange(0, BLOCK_K // 2)[None, :]
-        ok = a_ok if EVEN_K else a_ok & (ks < K)
-        a0 = tl.load(a_rows + ks, mask=ok, other=0.0)
-        a1 = tl.load(a_rows + ks + 1, mask=ok, other=0.0)
-    else:
-        ks = k0 + tl.arange(0, BLOCK_K)[None, :]
-        a0 = tl.load(a_rows + ks, mask=a_ok if EVEN_K else a_ok & (ks < K), other=0.0)
-        a1 = a0
-    return a0, a1
+def _mxfp4_pairs_asm(q, scale):
+    """Both nibbles of the MXFP4 bytes q (uint8) as bfloat16 (low, high) times `scale` (bfloat16 powers of two),
+    four bytes an instruction sequence: each byte pair spread to 16-bit halves (prmt), each nibble's 3 magnitude
+    bits placed under bfloat16's exponent and mantissa and its sign on bit 15 (a subnormal trick: that is the E2M1
+    value times 2^-126, exactly, 0.5 included), then two bf16x2 multiplies by 2^126 and by the scale. A handful of
+    instructions a weight where the arithmetic of `_mxfp4` takes a dozen or more (the integer units bound the
+    4-bit GEMMs otherwise). CUDA only (no inline assembly in the interpreter)."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t, a, b, c, two126, zero;
+        mov.b32 two126, 0x7E807E80;
+        mov.b32 zero, 0x80008000;
+        prmt.b32 t, $4, 0, 0x4140;
+        shl.b32 a, t, 6;
+        shl.b32 b, t, 12;
+        and.b32 a, a, 0x01C001C0;
+        and.b32 b, b, 0x80008000;
+        or.b32 c, a, b;
+        fma.rn.bf16x2 c, c, two126, zero;
+        fma.rn.bf16x2 $0, c, $5, zero;
+        shl.b32 a, t, 2;
+        shl.b32 b, t, 8;
+        and.b32 a, a, 0x01C001C0;
+        and.b32 b, b, 0x80008000;
+        or.b32 c, a, b;
+        fma.rn.bf16x2 c, c, two126, zero;
+        fma.rn.bf16x2 $2, c, $5, zero;
+        prmt.b32 t, $4, 0, 0x4342;
+        shl.b32 a, t, 6;
+        shl.b32 b, t, 12;
+        and.b32 a, a, 0x01C001C0;
+        and.b32 b, b, 0x80008000;
+        or.b32 c, a, b;
+        fma.rn.bf16x2 c, c, two126, zero;
+        fma.rn.bf16x2 $1, c, $6, zero;
+        shl.b32 a, t, 2;
+        shl.b32 b, t, 8;
+        and.b32 a, a, 0x01C001C0;
+        and.b32 b, b, 0x80008000;
+        or.b32 c, a, b;
+        fma.rn.bf16x2 c, c, two126, zero;
+        fma.rn.bf16x2 $3, c, $6, zero;
+        }
+        """,
+        constraints="=r,=r,=r,=r,r,r,r", args=[q, scale], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
 
 @triton.jit
-def _load_b(w_cols, s_cols, o_cols, stride_sg, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-            FORMAT: tl.constexpr, EVEN_K: tl.constexpr, DT: tl.constexpr):
-    """Weights [BLOCK_K, BLOCK_N] in DT at inputs k0.. of the output rows whose starts are `w_cols` [1, BLOCK_N]
-    (their scales `s_cols` and offsets `o_cols`, groups `stride_sg` apart); 4-bit formats as (even inputs, odd
-    inputs) [BLOCK_K / 2, BLOCK_N], dequantized as [groups, 16 bytes, BLOCK_N] so that a group's scale is loaded
-    once."""
+def _load_w(w_rows, s_rows, o_rows, stride_sg, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+            FORMAT: tl.constexpr, EVEN_K: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr):
+    """Weights [BLOCK_N, BLOCK_K] in DT at inputs k0.. of the output rows starting at `w_rows` [BLOCK_N, 1] (their
+    scales `s_rows` and offsets `o_rows`, groups `stride_sg` apart); 4-bit formats as (even inputs, odd inputs)
+    [BLOCK_N, BLOCK_K / 2], dequantized as [BLOCK_N, groups, 16 bytes] so that a group's scale is loaded once."""
     if FORMAT == DENSE:
-        ks = k0 + tl.arange(0, BLOCK_K)[:, None]
+        ks = k0 + tl.arange(0, BLOCK_K)[None, :]
         if EVEN_K:
-            b0 = tl.load(w_cols + ks).to(DT)
+            w0 = tl.load(w_rows + ks).to(DT)
         else:
-            b0 = tl.load(w_cols + ks, mask=ks < K, other=0.0).to(DT)
-        b1 = b0
+            w0 = tl.load(w_rows + ks, mask=ks < K, other=0.0).to(DT)
+        w1 = w0
     else:
         GROUPS: tl.constexpr = BLOCK_K // 32
-        group = k0 // 32 + tl.arange(0, GROUPS)[:, None, None]
-        byte = group * 16 + tl.arange(0, 16)[None, :, None]  # byte j of a row holds inputs 2j (low), 2j + 1 (high)
+        group = k0 // 32 + tl.arange(0, GROUPS)[None, :, None]
+        byte = group * 16 + tl.arange(0, 16)[None, None, :]  # byte j of a row holds inputs 2j (low), 2j + 1 (high)
         group_ok = group * 32 < K
+        rows = w_rows[:, :, None]
         if EVEN_K:
-            q = tl.load(w_cols[None, :, :] + byte)
+            q = tl.load(rows + byte)
         else:
-            q = tl.load(w_cols[None, :, :] + byte, mask=group_ok, other=0)
+            q = tl.load(rows + byte, mask=group_ok, other=0)
         if FORMAT == MXFP4:
             if EVEN_K:
-                e8m0 = tl.load(s_cols[None, :, :] + group * stride_sg)
+                e8m0 = tl.load(s_rows[:, :, None] + group * stride_sg)
             else:
-                e8m0 = tl.load(s_cols[None, :, :] + group * stride_sg, mask=group_ok, other=127)
-            scale_bits = (tl.maximum(e8m0.to(tl.int32), 1) - 1) << 7
-            b0 = _mxfp4(q & 15, scale_bits, DT)
-            b1 = _mxfp4(q >> 4, scale_bits, DT)
+                e8m0 = tl.load(s_rows[:, :, None] + group * stride_sg, mask=group_ok, other=127)
+            if ASM and DT == tl.bfloat16:
+                w0, w1 = _mxfp4_pairs_asm(q, (e8m0.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True))
+            else:
+                scale_bits = (tl.maximum(e8m0.to(tl.int32), 1) - 1) << 7
+                w0 = _mxfp4(q & 15, scale_bits, DT)
+                w1 = _mxfp4(q >> 4, scale_bits, DT)
         else:  # INT4: code * scale + offset
-            scale = tl.load(s_cols[None, :, :] + group * stride_sg, mask=group_ok, other=0.0).to(tl.float32)
-            offset = tl.load(o_cols[None, :, :] + group * stride_sg, mask=group_ok, other=0.0).to(tl.float32)
-            b0 = ((q & 15).to(tl.float32) * scale + offset).to(DT)
-            b1 = ((q >> 4).to(tl.float32) * scale + offset).to(DT)
-        b0 = tl.reshape(b0, (BLOCK_K // 2, BLOCK_N))
-        b1 = tl.reshape(b1, (BLOCK_K // 2, BLOCK_N))
-    return b0, b1
+            scale = tl.load(s_rows[:, :, None] + group * stride_sg, mask=group_ok, other=0.0).to(tl.float32)
+            offset = tl.load(o_rows[:, :, None] + group * stride_sg, mask=group_ok, other=0.0).to(tl.float32)
+            w0 = ((q & 15).to(tl.float32) * scale + offset).to(DT)
+            w1 = ((q >> 4).to(tl.float32) * scale + offset).to(DT)
+        w0 = tl.reshape(w0, (BLOCK_N, BLOCK_K // 2))
+        w1 = tl.reshape(w1, (BLOCK_N, BLOCK_K // 2))
+    return w0, w1
 
 
 @triton.jit
-def _dot(acc, a, b, PRECISION: tl.constexpr):
-    return tl.dot(a, b, acc, input_precision=PRECISION)
+def _load_xt(x_cols, x_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, PACKED: tl.constexpr, EVEN_K: tl.constexpr,
+             DT: tl.constexpr):
+    """Activations transposed, [BLOCK_K, BLOCK_M], at inputs k0.. of the rows starting at `x_cols` [1, BLOCK_M];
+    for 4-bit weights the even and odd inputs apart (matching the low and high nibbles), else the tile twice."""
+    if PACKED:
+        ks = k0 + 2 * tl.arange(0, BLOCK_K // 2)[:, None]
+        ok = x_ok if EVEN_K else x_ok & (ks < K)
+        x0 = tl.load(x_cols + ks, mask=ok, other=0.0).to(DT)
+        x1 = tl.load(x_cols + ks + 1, mask=ok, other=0.0).to(DT)
+    else:
+        ks = k0 + tl.arange(0, BLOCK_K)[:, None]
+        x0 = tl.load(x_cols + ks, mask=x_ok if EVEN_K else x_ok & (ks < K), other=0.0).to(DT)
+        x1 = x0
+    return x0, x1
 
+
+@triton.jit
+def _dot(acc, w, x, PRECISION: tl.constexpr):
+    return tl.dot(w, x, acc, input_precision=PRECISION)
+
+
+# The GEMMs compute their tiles transposed, [features, slots] = weights [features, K] @ activations^T [K, slots]: the
+# weights are the left operand, which Hopper's wgmma takes from registers, so 4-bit weights go from their
+# dequantization in registers straight into the product; and decode's 16 slots a block are the narrow side.
 
 @triton.jit
 def moe_gate_up_kernel(x_ptr, w_ptr, ws_ptr, wo_ptr, bias_ptr, slots_ptr, ends_ptr, out_ptr, num_pairs,
@@ -183,9 +240,9 @@ def moe_gate_up_kernel(x_ptr, w_ptr, ws_ptr, wo_ptr, bias_ptr, slots_ptr, ends_p
                        E: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr, K: tl.constexpr,
                        I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        FORMAT: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
-    """Program (block of BLOCK_M slots, BLOCK_N intermediate features): act(x @ gate^T + b, x @ up^T + b) of the
-    block's tokens with its expert's gate rows n and up rows I + n, stored to out [slots, I] in out's dtype."""
+                       EVEN_K: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr):
+    """Program (block of BLOCK_M slots, BLOCK_N intermediate features): act(gate x + b, up x + b) of the block's
+    tokens x with its expert's gate rows n and up rows I + n, stored to out [slots, I] in out's dtype."""
     pid = tl.program_id(0)
     NUM_N: tl.constexpr = (I + BLOCK_N - 1) // BLOCK_N
     pid_m = pid // NUM_N
@@ -198,40 +255,40 @@ def moe_gate_up_kernel(x_ptr, w_ptr, ws_ptr, wo_ptr, bias_ptr, slots_ptr, ends_p
     rows = row0 + tl.arange(0, BLOCK_M)
     pairs = tl.load(slots_ptr + rows)
     valid = pairs < num_pairs
-    a_rows = x_ptr + (pairs // TOP_K).to(tl.int64)[:, None] * stride_x
-    a_ok = valid[:, None]
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_cols = cols % I  # in bounds; the columns past I are not stored
+    x_cols = x_ptr + (pairs // TOP_K).to(tl.int64)[None, :] * stride_x
+    x_ok = valid[None, :]
+    feats = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_feats = (feats % I)[:, None]  # in bounds; the features past I are not stored
     e64 = e.to(tl.int64)
-    g_cols = w_ptr + e64 * stride_we + in_cols[None, :].to(tl.int64) * stride_wn
-    u_cols = g_cols + I * stride_wn
-    gs_cols = ws_ptr + e64 * stride_se + in_cols[None, :] * stride_sn
-    us_cols = gs_cols + I * stride_sn
-    go_cols = wo_ptr + e64 * stride_se + in_cols[None, :] * stride_sn
-    uo_cols = go_cols + I * stride_sn
+    g_rows = w_ptr + e64 * stride_we + in_feats.to(tl.int64) * stride_wn
+    u_rows = g_rows + I * stride_wn
+    gs_rows = ws_ptr + e64 * stride_se + in_feats * stride_sn
+    us_rows = gs_rows + I * stride_sn
+    go_rows = wo_ptr + e64 * stride_se + in_feats * stride_sn
+    uo_rows = go_rows + I * stride_sn
     PACKED: tl.constexpr = FORMAT != DENSE
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        a0, a1 = _load_a(a_rows, a_ok, k0, K, BLOCK_K, PACKED, EVEN_K)
-        g0, g1 = _load_b(g_cols, gs_cols, go_cols, stride_sg, k0, K, BLOCK_K, BLOCK_N, FORMAT, EVEN_K, DT)
-        u0, u1 = _load_b(u_cols, us_cols, uo_cols, stride_sg, k0, K, BLOCK_K, BLOCK_N, FORMAT, EVEN_K, DT)
-        acc_g = _dot(acc_g, a0.to(DT), g0, PRECISION)
-        acc_u = _dot(acc_u, a0.to(DT), u0, PRECISION)
+        x0, x1 = _load_xt(x_cols, x_ok, k0, K, BLOCK_K, PACKED, EVEN_K, DT)
+        g0, g1 = _load_w(g_rows, gs_rows, go_rows, stride_sg, k0, K, BLOCK_K, BLOCK_N, FORMAT, EVEN_K, DT, ASM)
+        u0, u1 = _load_w(u_rows, us_rows, uo_rows, stride_sg, k0, K, BLOCK_K, BLOCK_N, FORMAT, EVEN_K, DT, ASM)
+        acc_g = _dot(acc_g, g0, x0, PRECISION)
+        acc_u = _dot(acc_u, u0, x0, PRECISION)
         if PACKED:
-            acc_g = _dot(acc_g, a1.to(DT), g1, PRECISION)
-            acc_u = _dot(acc_u, a1.to(DT), u1, PRECISION)
+            acc_g = _dot(acc_g, g1, x1, PRECISION)
+            acc_u = _dot(acc_u, u1, x1, PRECISION)
     if HAS_BIAS:
-        acc_g += tl.load(bias_ptr + e64 * stride_be + in_cols).to(tl.float32)[None, :]
-        acc_u += tl.load(bias_ptr + e64 * stride_be + I + in_cols).to(tl.float32)[None, :]
+        acc_g += tl.load(bias_ptr + e64 * stride_be + in_feats).to(tl.float32)
+        acc_u += tl.load(bias_ptr + e64 * stride_be + I + in_feats).to(tl.float32)
     if ACTIVATION == SWIGLU_CLAMP:  # gpt-oss: gate clamped above, up both ways, (up + 1) * gate * sigmoid(alpha gate)
         gate = tl.minimum(acc_g, limit)
         up = tl.minimum(tl.maximum(acc_u, -limit), limit)
         act = gate / (1.0 + tl.exp(-alpha * gate)) * (up + 1.0)
     else:
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * I + cols[None, :], act.to(DT),
-             mask=valid[:, None] & (cols < I)[None, :])
+    tl.store(out_ptr + rows.to(tl.int64)[None, :] * I + feats[:, None], act.to(DT),
+             mask=valid[None, :] & (feats < I)[:, None])
 
 
 @triton.jit
@@ -239,8 +296,8 @@ def moe_down_kernel(a_ptr, w_ptr, ws_ptr, wo_ptr, bias_ptr, slots_ptr, ends_ptr,
                     stride_we, stride_wn, stride_se, stride_sn, stride_sg, stride_be,
                     E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FORMAT: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
-    """Program (block of BLOCK_M slots, BLOCK_N hidden features): routing weight x (a @ down^T + b) of the block's
+                    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr):
+    """Program (block of BLOCK_M slots, BLOCK_N hidden features): routing weight x (down a + b) of the block's
     activations a [slots, K] with its expert's down rows, stored in float32 to out [pairs, H] at each slot's pair."""
     pid = tl.program_id(0)
     NUM_N: tl.constexpr = (H + BLOCK_N - 1) // BLOCK_N
@@ -254,27 +311,27 @@ def moe_down_kernel(a_ptr, w_ptr, ws_ptr, wo_ptr, bias_ptr, slots_ptr, ends_ptr,
     rows = row0 + tl.arange(0, BLOCK_M)
     pairs = tl.load(slots_ptr + rows)
     valid = pairs < num_pairs
-    a_rows = a_ptr + rows.to(tl.int64)[:, None] * K
-    a_ok = valid[:, None]  # padding slots' activations were never written
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_cols = cols % H
+    a_cols = a_ptr + rows.to(tl.int64)[None, :] * K
+    a_ok = valid[None, :]  # padding slots' activations were never written
+    feats = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_feats = (feats % H)[:, None]
     e64 = e.to(tl.int64)
-    w_cols = w_ptr + e64 * stride_we + in_cols[None, :].to(tl.int64) * stride_wn
-    s_cols = ws_ptr + e64 * stride_se + in_cols[None, :] * stride_sn
-    o_cols = wo_ptr + e64 * stride_se + in_cols[None, :] * stride_sn
+    w_rows = w_ptr + e64 * stride_we + in_feats.to(tl.int64) * stride_wn
+    s_rows = ws_ptr + e64 * stride_se + in_feats * stride_sn
+    o_rows = wo_ptr + e64 * stride_se + in_feats * stride_sn
     PACKED: tl.constexpr = FORMAT != DENSE
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        a0, a1 = _load_a(a_rows, a_ok, k0, K, BLOCK_K, PACKED, EVEN_K)
-        b0, b1 = _load_b(w_cols, s_cols, o_cols, stride_sg, k0, K, BLOCK_K, BLOCK_N, FORMAT, EVEN_K, DT)
-        acc = _dot(acc, a0, b0, PRECISION)
+        a0, a1 = _load_xt(a_cols, a_ok, k0, K, BLOCK_K, PACKED, EVEN_K, DT)
+        w0, w1 = _load_w(w_rows, s_rows, o_rows, stride_sg, k0, K, BLOCK_K, BLOCK_N, FORMAT, EVEN_K, DT, ASM)
+        acc = _dot(acc, w0, a0, PRECISION)
         if PACKED:
-            acc = _dot(acc, a1, b1, PRECISION)
+            acc = _dot(acc, w1, a1, PRECISION)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + e64 * stride_be + in_cols).to(tl.float32)[None, :]
+        acc += tl.load(bias_ptr + e64 * stride_be + in_feats).to(tl.float32)
     routing = tl.load(weights_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
-    tl.store(out_ptr + pairs.to(tl.int64)[:, None] * H + cols[None, :], acc * routing[:, None],
-             mask=valid[:, None] & (cols < H)[None, :])
+    tl.store(out_ptr + pairs.to(tl.int64)[None, :] * H + feats[:, None], acc * routing[None, :],
+             mask=valid[None, :] & (feats < H)[:, None])
 
 
 @triton.jit
