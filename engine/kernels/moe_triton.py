@@ -165,47 +165,48 @@ def _mxfp4_pairs_asm(q, scale):
 
 
 @triton.jit
-def _load_w(w_rows, s_rows, o_rows, stride_sg, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-            FORMAT: tl.constexpr, EVEN_K: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr):
-    """Weights [BLOCK_N, BLOCK_K] in DT at inputs k0.. of the output rows starting at `w_rows` [BLOCK_N, 1] (their
-    scales `s_rows` and offsets `o_rows`, groups `stride_sg` apart); 4-bit formats as (even inputs, odd inputs)
-    [BLOCK_N, BLOCK_K / 2], dequantized as [BLOCK_N, groups, 16 bytes] so that a group's scale is loaded once."""
-    if FORMAT == DENSE:
-        ks = k0 + tl.arange(0, BLOCK_K)[None, :]
-        if EVEN_K:
-            w0 = tl.load(w_rows + ks).to(DT)
-        else:
-            w0 = tl.load(w_rows + ks, mask=ks < K, other=0.0).to(DT)
-        w1 = w0
+def _load_dense(w_rows, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DT: tl.constexpr):
+    """Dense weights [BLOCK_N, BLOCK_K] in DT at inputs k0.. of the output rows starting at `w_rows` [BLOCK_N, 1]."""
+    ks = k0 + tl.arange(0, BLOCK_K)[None, :]
+    if EVEN_K:
+        return tl.load(w_rows + ks).to(DT)
+    return tl.load(w_rows + ks, mask=ks < K, other=0.0).to(DT)
+
+
+@triton.jit
+def _load_packed(w_rows, s_rows, o_rows, stride_sg, k0, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                 FORMAT: tl.constexpr):
+    """4-bit weights as stored, at inputs k0.. (nothing past K) of the output rows starting at `w_rows` [BLOCK_N, 1]:
+    (bytes [BLOCK_N, groups, 16], scales and offsets [BLOCK_N, groups, 1] (offsets: the scales again for MXFP4)),
+    byte j of a row holding inputs 2j (low nibble) and 2j + 1 (high)."""
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    group = k0 // 32 + tl.arange(0, GROUPS)[None, :, None]
+    ok = group * 32 < K
+    q = tl.load(w_rows[:, :, None] + group * 16 + tl.arange(0, 16)[None, None, :], mask=ok, other=0)
+    if FORMAT == MXFP4:
+        scale = tl.load(s_rows[:, :, None] + group * stride_sg, mask=ok, other=127)
+        offset = scale
     else:
-        GROUPS: tl.constexpr = BLOCK_K // 32
-        group = k0 // 32 + tl.arange(0, GROUPS)[None, :, None]
-        byte = group * 16 + tl.arange(0, 16)[None, None, :]  # byte j of a row holds inputs 2j (low), 2j + 1 (high)
-        group_ok = group * 32 < K
-        rows = w_rows[:, :, None]
-        if EVEN_K:
-            q = tl.load(rows + byte)
+        scale = tl.load(s_rows[:, :, None] + group * stride_sg, mask=ok, other=0.0).to(tl.float32)
+        offset = tl.load(o_rows[:, :, None] + group * stride_sg, mask=ok, other=0.0).to(tl.float32)
+    return q, scale, offset
+
+
+@triton.jit
+def _dequantize(q, scale, offset, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FORMAT: tl.constexpr,
+                DT: tl.constexpr, ASM: tl.constexpr):
+    """`_load_packed`'s tile as (even inputs, odd inputs) [BLOCK_N, BLOCK_K / 2] in DT."""
+    if FORMAT == MXFP4:
+        if ASM and DT == tl.bfloat16:
+            w0, w1 = _mxfp4_pairs_asm(q, (scale.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True))
         else:
-            q = tl.load(rows + byte, mask=group_ok, other=0)
-        if FORMAT == MXFP4:
-            if EVEN_K:
-                e8m0 = tl.load(s_rows[:, :, None] + group * stride_sg)
-            else:
-                e8m0 = tl.load(s_rows[:, :, None] + group * stride_sg, mask=group_ok, other=127)
-            if ASM and DT == tl.bfloat16:
-                w0, w1 = _mxfp4_pairs_asm(q, (e8m0.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True))
-            else:
-                scale_bits = (tl.maximum(e8m0.to(tl.int32), 1) - 1) << 7
-                w0 = _mxfp4(q & 15, scale_bits, DT)
-                w1 = _mxfp4(q >> 4, scale_bits, DT)
-        else:  # INT4: code * scale + offset
-            scale = tl.load(s_rows[:, :, None] + group * stride_sg, mask=group_ok, other=0.0).to(tl.float32)
-            offset = tl.load(o_rows[:, :, None] + group * stride_sg, mask=group_ok, other=0.0).to(tl.float32)
-            w0 = ((q & 15).to(tl.float32) * scale + offset).to(DT)
-            w1 = ((q >> 4).to(tl.float32) * scale + offset).to(DT)
-        w0 = tl.reshape(w0, (BLOCK_N, BLOCK_K // 2))
-        w1 = tl.reshape(w1, (BLOCK_N, BLOCK_K // 2))
-    return w0, w1
+            scale_bits = (tl.maximum(scale.to(tl.int32), 1) - 1) << 7
+            w0 = _mxfp4(q & 15, scale_bits, DT)
+            w1 = _mxfp4(q >> 4, scale_bits, DT)
+    else:  # INT4: code * scale + offset
+        w0 = ((q & 15).to(tl.float32) * scale + offset).to(DT)
+        w1 = ((q >> 4).to(tl.float32) * scale + offset).to(DT)
+    return tl.reshape(w0, (BLOCK_N, BLOCK_K // 2)), tl.reshape(w1, (BLOCK_N, BLOCK_K // 2))
 
 
 @triton.jit
@@ -269,15 +270,25 @@ def moe_gate_up_kernel(x_ptr, w_ptr, ws_ptr, wo_ptr, bias_ptr, slots_ptr, ends_p
     PACKED: tl.constexpr = FORMAT != DENSE
     acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if PACKED:  # 4-bit tiles are loaded one step ahead, into registers (the pipeliner stages only dot operands)
+        qg, sg, og = _load_packed(g_rows, gs_rows, go_rows, stride_sg, 0, K, BLOCK_K, FORMAT)
+        qu, su, ou = _load_packed(u_rows, us_rows, uo_rows, stride_sg, 0, K, BLOCK_K, FORMAT)
     for k0 in range(0, K, BLOCK_K):
         x0, x1 = _load_xt(x_cols, x_ok, k0, K, BLOCK_K, PACKED, EVEN_K, DT)
-        g0, g1 = _load_w(g_rows, gs_rows, go_rows, stride_sg, k0, K, BLOCK_K, BLOCK_N, FORMAT, EVEN_K, DT, ASM)
-        u0, u1 = _load_w(u_rows, us_rows, uo_rows, stride_sg, k0, K, BLOCK_K, BLOCK_N, FORMAT, EVEN_K, DT, ASM)
-        acc_g = _dot(acc_g, g0, x0, PRECISION)
-        acc_u = _dot(acc_u, u0, x0, PRECISION)
         if PACKED:
+            next_g = _load_packed(g_rows, gs_rows, go_rows, stride_sg, k0 + BLOCK_K, K, BLOCK_K, FORMAT)
+            next_u = _load_packed(u_rows, us_rows, uo_rows, stride_sg, k0 + BLOCK_K, K, BLOCK_K, FORMAT)
+            g0, g1 = _dequantize(qg, sg, og, BLOCK_N, BLOCK_K, FORMAT, DT, ASM)
+            u0, u1 = _dequantize(qu, su, ou, BLOCK_N, BLOCK_K, FORMAT, DT, ASM)
+            acc_g = _dot(acc_g, g0, x0, PRECISION)
+            acc_u = _dot(acc_u, u0, x0, PRECISION)
             acc_g = _dot(acc_g, g1, x1, PRECISION)
             acc_u = _dot(acc_u, u1, x1, PRECISION)
+            qg, sg, og = next_g
+            qu, su, ou = next_u
+        else:
+            acc_g = _dot(acc_g, _load_dense(g_rows, k0, K, BLOCK_K, EVEN_K, DT), x0, PRECISION)
+            acc_u = _dot(acc_u, _load_dense(u_rows, k0, K, BLOCK_K, EVEN_K, DT), x0, PRECISION)
     if HAS_BIAS:
         acc_g += tl.load(bias_ptr + e64 * stride_be + in_feats).to(tl.float32)
         acc_u += tl.load(bias_ptr + e64 * stride_be + I + in_feats).to(tl.float32)
@@ -321,12 +332,18 @@ def moe_down_kernel(a_ptr, w_ptr, ws_ptr, wo_ptr, bias_ptr, slots_ptr, ends_ptr,
     o_rows = wo_ptr + e64 * stride_se + in_feats * stride_sn
     PACKED: tl.constexpr = FORMAT != DENSE
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if PACKED:
+        q, sc, of = _load_packed(w_rows, s_rows, o_rows, stride_sg, 0, K, BLOCK_K, FORMAT)
     for k0 in range(0, K, BLOCK_K):
         a0, a1 = _load_xt(a_cols, a_ok, k0, K, BLOCK_K, PACKED, EVEN_K, DT)
-        w0, w1 = _load_w(w_rows, s_rows, o_rows, stride_sg, k0, K, BLOCK_K, BLOCK_N, FORMAT, EVEN_K, DT, ASM)
-        acc = _dot(acc, w0, a0, PRECISION)
         if PACKED:
+            next_w = _load_packed(w_rows, s_rows, o_rows, stride_sg, k0 + BLOCK_K, K, BLOCK_K, FORMAT)
+            w0, w1 = _dequantize(q, sc, of, BLOCK_N, BLOCK_K, FORMAT, DT, ASM)
+            acc = _dot(acc, w0, a0, PRECISION)
             acc = _dot(acc, w1, a1, PRECISION)
+            q, sc, of = next_w
+        else:
+            acc = _dot(acc, _load_dense(w_rows, k0, K, BLOCK_K, EVEN_K, DT), a0, PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + e64 * stride_be + in_feats).to(tl.float32)
     routing = tl.load(weights_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
