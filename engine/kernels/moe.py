@@ -155,20 +155,20 @@ class MoeConfig(NamedTuple):
 
 
 def moe_config(num_pairs: int, num_experts: int, hidden: int, inter: int, packed: bool) -> MoeConfig:
-    """BLOCK_M from the pairs an expert gets on average (16 at decode: one block an expert); narrow output tiles
-    while blocks are few, so that enough programs share the weight reads; the widest input tile that divides the
-    inputs (no masks)."""
+    """BLOCK_M from the pairs an expert gets on average (16 at decode: one block an expert). 64 features a tile (the
+    narrowest that runs on wgmma) and 128 inputs, 4 warps: the fastest of bench/moe_kernel.py --sweep on an H100 at
+    1 and 64 tokens for both GEMMs, bfloat16 and MXFP4 (bench/RESULTS.md#issue-36-gpu-moe-kernel). Dense tiles
+    that do not divide the inputs take 64 (masks); 4-bit ones keep 128 (their loads are masked anyway)."""
     per_expert = num_pairs / num_experts
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
 
-    def block_k(inputs: int, widest: int) -> int:
-        return next((b for b in (256, 128, 64) if b <= widest and inputs % b == 0), 64)
+    def block_k(inputs: int) -> int:
+        return 128 if packed or inputs % 128 == 0 else 64
 
     if block_m == 16:
-        return MoeConfig(16, GemmConfig(32, block_k(hidden, 128), 4, 4), GemmConfig(64, block_k(inter, 128), 4, 4))
-    widest = 128 if packed else 64
-    return MoeConfig(block_m, GemmConfig(64, block_k(hidden, widest), 4, 3),
-                     GemmConfig(128, block_k(inter, widest), 8, 3))
+        return MoeConfig(16, GemmConfig(64, block_k(hidden), 4, 4), GemmConfig(64, block_k(inter), 4, 3))
+    return MoeConfig(block_m, GemmConfig(64, block_k(hidden) if packed else 64, 4, 3),
+                     GemmConfig(128, block_k(inter) if packed else 64, 8, 3))
 
 
 def max_slots(num_pairs: int, num_experts: int, block_m: int) -> int:
