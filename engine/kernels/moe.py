@@ -13,13 +13,16 @@ On CUDA (and on CPU under TRITON_INTERPRET=1, for the tests) it runs as vLLM's a
 3. down GEMM with the routing weight applied → float32 [N x k, H], each pair's row.
 4. the sum over k, rounded once to x's dtype (in order of k: no atomics, so results are deterministic).
 Every buffer is sized from N alone (at most N*k + min(E, N*k) * (BLOCK_M - 1) slots): no host synchronisation, no
-shape that depends on the routing, so the whole call is capturable in a CUDA graph.
+shape that depends on the routing, so the whole call is capturable in a CUDA graph. The GEMMs compute their tiles
+as [features, slots] with the weights on the left (wgmma from 64 features); products accumulate in float32.
 
 Elsewhere `moe_reference` serves: a loop over experts in torch (the tests' reference; not capturable). Weights are
 an `ExpertWeights` stack: dense float, MXFP4 (E2M1 codes in nibbles, an E8M0 scale a 32 inputs) or affine int4
-(codes in nibbles, a float scale and offset a 32 inputs), dequantized in the kernels' registers.
+(codes in nibbles, a float scale and offset a 32 inputs), dequantized in the kernels' registers (MXFP4 to bfloat16
+by inline PTX on CUDA). Speed: bench/moe_kernel.py, bench/RESULTS.md#issue-36-gpu-moe-kernel. `fused_experts` is
+not TorchScript: a scripted module calls it under `if not torch.jit.is_scripting()`, as engine/kernels/fused.py's
+callers do.
 """
-# No `from __future__ import annotations`: the NamedTuples are TorchScript-readable.
 import os
 from typing import NamedTuple, Optional, Tuple
 
@@ -67,12 +70,12 @@ def _groups_by_column(t: Tensor) -> Tensor:
 
 
 def mxfp4(blocks: Tensor, scales: Tensor) -> ExpertWeights:
-    """An MXFP4 stack (the scales copied into the kernels' layout: `_groups_by_column`)."""
+    """An MXFP4 stack, its scales in the kernels' layout (`_groups_by_column`: a copy unless they are already)."""
     return ExpertWeights("mxfp4", blocks, _groups_by_column(scales), None)
 
 
 def int4(packed: Tensor, scales: Tensor, offsets: Tensor) -> ExpertWeights:
-    """An affine int4 stack (scales and offsets copied into the kernels' layout)."""
+    """An affine int4 stack, its scales and offsets in the kernels' layout (`_groups_by_column`)."""
     return ExpertWeights("int4", packed, _groups_by_column(scales), _groups_by_column(offsets))
 
 
