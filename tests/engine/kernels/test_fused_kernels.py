@@ -14,7 +14,7 @@ import torch
 from engine.kernels import fused as fused_kernels, fused_torch as fused_kernels_torch
 from engine.model import layers
 from tests.support.fused_kernel_cases import EPS, VARIANTS, Case, build, check, copied, expected, model_cases
-from tests.support.interpreted import run_interpreted
+from tests.support.interpreted import ROUND_TO_NEAREST_EVEN, run_interpreted
 
 # Every model's calls at 1, 3 and 8 rows; 128 rows at the smallest shapes (the interpreter runs programs one by
 # one: the GPU test takes every model at 128); then the variants.
@@ -43,22 +43,7 @@ def _bad_calls() -> list[tuple[str, str, dict]]:
 
 
 # Calls the kernels on the saved problems; writes [(output, arguments after the call)] and the refusals' messages.
-_INTERPRETED_CALLS = """
-import sys
-import numpy as np
-import torch
-import triton.language as tl
-import triton.runtime.interpreter as interpreter
-
-# The interpreter rounds float32 to bfloat16 toward zero (and its "rtne" rounds ties away from zero); the GPU's
-# conversion, which the kernels rely on to round where torch rounds, is round-to-nearest-even: do that.
-_convert_float = interpreter._convert_float
-def _round_to_nearest_even(data, src, dst, rounding_mode):
-    if src == tl.float32 and dst == tl.bfloat16:
-        as_float = torch.from_numpy(np.ascontiguousarray(data).view(np.float32))
-        return as_float.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-    return _convert_float(data, src, dst, rounding_mode)
-interpreter._convert_float = _round_to_nearest_even
+_INTERPRETED_CALLS = ROUND_TO_NEAREST_EVEN + """
 
 from engine.kernels import fused as fused_kernels
 calls, bad = torch.load(sys.argv[1])
