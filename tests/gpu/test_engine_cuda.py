@@ -55,6 +55,11 @@ def test_bfloat16_on_cuda_is_close_to_transformers(tinies, variant) -> None:
     assert runner.dtype == torch.bfloat16
     ids = prompt_ids(tiny, 1, 30)
     got, want = runner.predict_logits(ids).cpu(), hf_logits(model, ids)
+    if variant in MOE_VARIANTS:
+        # In bfloat16 a token whose router scores nearly tie can pick another expert than in float32 (the CPU engine
+        # in bfloat16 shows the same jumps at the same positions): the reference is the CPU engine in bfloat16,
+        # and float32 on CUDA matches transformers to 1e-4 (test_float32_on_cuda_matches_transformers).
+        want = load_runner(str(tiny.safetensors_dir), device="cpu", dtype="bfloat16", quant="none").predict_logits(ids)
     scale = float(want.abs().max())
     assert float((got - want).abs().max()) < 0.05 * scale, (variant, float((got - want).abs().max()), scale)
 
