@@ -176,8 +176,9 @@ def _materialise(cfg: ModelConfig, state: dict[str, Any], device: torch.device, 
     for name, tensor in state.items():
         if isinstance(tensor, Affine4Bit):
             tensor = tensor.dequantize()
-        # Norms and attention sinks stay float32 (applied in float32); everything else takes the compute dtype.
-        target = torch.float32 if name.endswith(("norm.weight", "self_attn.sinks")) else dtype
+        # Norms, attention sinks and MoE routers stay float32 (applied in float32); the rest takes the compute dtype.
+        target = torch.float32 if name.endswith(("norm.weight", "self_attn.sinks", "mlp.router.weight",
+                                                 "mlp.router.bias")) else dtype
         converted[name] = tensor.to(device=device, dtype=target)
     if cfg.tie_embeddings and quant == "none":
         converted["lm_head.weight"] = converted["embed_tokens.weight"]

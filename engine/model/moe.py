@@ -148,6 +148,9 @@ class MoEExperts(nn.Module):
             if x.is_cuda:
                 return _fused_experts(x, ids, weights, self.gate_up, self.down, self.clamp, self.alpha, self.limit)
         k = ids.shape[1]
+        if x.shape[0] == 1:  # one token (a single stream's decode): no grouping to do
+            slots: List[int] = ids[0].tolist()
+            return self._one_token(x, slots, weights[0], deterministic)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert, tokens in order
         counts: List[int] = torch.bincount(flat, minlength=self.num_experts).tolist()
@@ -166,6 +169,22 @@ class MoEExperts(nn.Module):
             y = self.down.matmul(act, expert, deterministic).float()
             out.index_add_(0, rows, y * pair_weights[start:start + count].unsqueeze(1))
             start += count
+        return out.to(x.dtype)
+
+    def _one_token(self, x: Tensor, ids: List[int], weights: Tensor, deterministic: bool) -> Tensor:
+        """The grouped sum for one token x [1, H], its experts taken in id order as there (the same float32 sums, so
+        a deterministic step gives a token the same output alone as beside others)."""
+        order: List[int] = []
+        for j in range(len(ids)):  # insertion sort of the k slots by expert id: k is a handful
+            at = len(order)
+            while at > 0 and ids[order[at - 1]] > ids[j]:
+                at -= 1
+            order.insert(at, j)
+        out = torch.zeros(1, x.shape[1], dtype=torch.float32, device=x.device)
+        for j in order:
+            expert = ids[j]
+            act = expert_activation(self.gate_up.matmul(x, expert, deterministic), self.clamp, self.alpha, self.limit)
+            out = out + self.down.matmul(act, expert, deterministic).float() * weights[j:j + 1].unsqueeze(1)
         return out.to(x.dtype)
 
 
@@ -197,8 +216,9 @@ class MoEMLP(nn.Module):
             self.shared_expert_gate = _Absent()
 
     def forward(self, x: Tensor, packed_rows: int, deterministic: bool) -> Tensor:
-        # The router stays in float (never quantized): its top-k choice is sensitive to small errors.
-        logits = self.router(x, 0, deterministic)
+        # The router is float32 (never quantized, never bfloat16): its top-k choice flips on small errors. (A
+        # bfloat16 matmul of this size is also slower than a float32 one on CPUs without AMX.)
+        logits = self.router(x.to(self.router.weight.dtype), 0, deterministic)
         weights, ids = route(logits, self.top_k, self.top_k_first, self.renormalize)
         out = self.experts(x, ids, weights, deterministic)
         if self.has_shared:
