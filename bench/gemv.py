@@ -24,8 +24,8 @@ CALLS = 16
 L2_PROOF_BYTES = 400 << 20
 
 
-def per_call_us(fn: Callable[[], None], replays: int = 30) -> float:
-    """µs per call of `fn` (CALLS calls) replayed from a CUDA graph."""
+def per_call_us(fn: Callable[[], None], calls: int = 0, replays: int = 30) -> float:
+    """µs per call of `fn` (`calls` calls, CALLS by default) replayed from a CUDA graph."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -42,7 +42,7 @@ def per_call_us(fn: Callable[[], None], replays: int = 30) -> float:
         graph.replay()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) * 1000 / replays / CALLS
+    return start.elapsed_time(end) * 1000 / replays / (calls or CALLS)
 
 
 def measure(in_features: int, out_features: int, sweep: bool) -> dict:

@@ -59,6 +59,7 @@ sys.path.insert(0, str(ROOT))  # this tree's engine, wherever it is run from (th
 
 from decode_anchor import DecodeAnchor, measure as measure_anchor  # noqa: E402
 import llama_peer  # noqa: E402
+from server.process.memory import available_memory  # noqa: E402
 from synthetic_model import (MAX_POSITION, SHAPES, ModelDir, Shape, active_weight_bytes,  # noqa: E402
                              estimated_weight_bytes, roofline_tokens_per_s, shape_by_name, write_model_dir)
 
@@ -746,16 +747,6 @@ def _part_budgets(text: str) -> dict[str, float]:
     return budgets
 
 
-def _mem_available() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def _work_root(need: float, explicit: Path | None = None) -> tuple[Path | None, float]:
     """(where `need` bytes of files go, or None; the most free space seen). `explicit` if given and it has room;
     else, first that has room: /dev/shm (memory speed) if the host keeps memory for a loader's full host copy of
@@ -765,7 +756,7 @@ def _work_root(need: float, explicit: Path | None = None) -> tuple[Path | None, 
         return (explicit if free >= need else None), free
     shm, tmp = Path("/dev/shm"), Path(tempfile.gettempdir())
     free = {p: shutil.disk_usage(p).free if p.is_dir() else 0 for p in (shm, tmp)}
-    spare = _mem_available() - need  # host memory left once the files are in /dev/shm
+    spare = available_memory() - need  # host memory left once the files are in /dev/shm
     for root, ok in ((shm, spare >= need + HOST_RESERVE), (tmp, True), (shm, spare >= HOST_RESERVE)):
         if ok and free[root] >= need:
             return root, free[root]

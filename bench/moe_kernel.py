@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bench.gemv import per_call_us
 from engine.kernels import moe
 
 GROUP = 32
@@ -52,27 +53,6 @@ def stack(s: Shape, out: int, inp: int) -> moe.ExpertWeights:
 
 def nbytes(w: moe.ExpertWeights) -> int:
     return sum(t.numel() * t.element_size() for t in (w.data, w.scales, w.offsets) if t is not None)
-
-
-def per_call_us(fn: Callable[[], None], calls: int, replays: int = 20) -> float:
-    """µs a call of `fn` (`calls` calls) replayed from a CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # compiles and warms up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / replays / calls
 
 
 def sweep_grid(block_m: int) -> list[moe.GemmConfig]:

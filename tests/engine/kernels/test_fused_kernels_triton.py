@@ -8,13 +8,11 @@ allocations, hidden sizes and head dims multiples of 8 bfloat16s).
 from __future__ import annotations
 
 import importlib.util
-import re
-import subprocess
-from pathlib import Path
 
 import pytest
 
 from engine.kernels import fused as fused_kernels
+from tests.support.sm90_compile import compile_sm90
 from tests.support.fused_kernel_cases import MODELS
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -27,8 +25,6 @@ def _compile(kernel, constexprs: dict, warps: int, int_pointers: tuple[str, ...]
     """The kernel compiled for sm_90 with bf16 tensors and float32 norm weights: (its PTX, registers, stack bytes
     per thread)."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
@@ -43,19 +39,8 @@ def _compile(kernel, constexprs: dict, warps: int, int_pointers: tuple[str, ...]
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             signature[name] = "fp32"  # eps
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps})
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    cubin = Path(compiled.metadata.name + ".cubin")
-    try:
-        cubin.write_bytes(compiled.asm["cubin"])
-        usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True,
-                               check=True).stdout
-    finally:
-        cubin.unlink(missing_ok=True)
-    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
-    assert found, usage
-    return compiled.asm["ptx"], int(found[1]), int(found[2])
+    compiled, registers, stack = compile_sm90(kernel, signature, constexprs, attrs, warps)
+    return compiled.asm["ptx"], registers, stack
 
 
 # (hidden, residual, sandwich): llama's and gemma3's fused norms at their sizes, and the widest rows taken

@@ -6,11 +6,10 @@ conversion (ptxas checks it). Triton ships ptxas and cuobjdump, so only triton i
 from __future__ import annotations
 
 import importlib.util
-import re
-import subprocess
-from pathlib import Path
 
 import pytest
+
+from tests.support.sm90_compile import compile_sm90
 
 from engine.kernels import moe
 
@@ -25,8 +24,6 @@ _TYPES = {"slots_ptr": "*i32", "ends_ptr": "*i32", "ids_ptr": "*i64", "counts_pt
 def _compile(kernel, constexprs: dict, warps: int, stages: int, types: dict[str, str]) -> tuple[str, int, int]:
     """The kernel compiled for sm_90: (its PTX, registers, stack bytes per thread)."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
@@ -36,19 +33,8 @@ def _compile(kernel, constexprs: dict, warps: int, stages: int, types: dict[str,
         signature[name] = types.get(name, _TYPES.get(name, "i32"))
         if name.endswith("_ptr") or name.startswith("stride_"):
             attrs[(i,)] = [["tt.divisibility", 16]]
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps, "num_stages": stages})
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    cubin = Path(compiled.metadata.name + ".cubin")
-    try:
-        cubin.write_bytes(compiled.asm["cubin"])
-        usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True,
-                               check=True).stdout
-    finally:
-        cubin.unlink(missing_ok=True)
-    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
-    assert found, usage
-    return compiled.asm["ptx"], int(found[1]), int(found[2])
+    compiled, registers, stack = compile_sm90(kernel, signature, constexprs, attrs, warps, stages)
+    return compiled.asm["ptx"], registers, stack
 
 
 def _next_pow2(n: int) -> int:

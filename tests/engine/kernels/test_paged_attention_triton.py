@@ -8,11 +8,10 @@ allocations, head_dim 64/128/256), the block table's width not necessarily.
 from __future__ import annotations
 
 import importlib.util
-import re
-import subprocess
-from pathlib import Path
 
 import pytest
+
+from tests.support.sm90_compile import compile_sm90
 import torch
 
 from engine.kernels import paged_attention
@@ -29,8 +28,6 @@ _INT_POINTERS = ("tables_ptr", "seq_lens_ptr", "query_lens_ptr", "query_starts_p
 def _compile(kernel, constexprs: dict, warps: int, dtype: str):
     """The kernel compiled for sm_90 with these constexprs: (compiled kernel, registers, stack bytes per thread)."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
@@ -44,18 +41,7 @@ def _compile(kernel, constexprs: dict, warps: int, dtype: str):
             signature[name] = "fp32" if name == "qk_scale" else "i32"
         if name.endswith("_ptr") or (name.startswith("stride_") and name != "stride_tb"):
             attrs[(i,)] = [["tt.divisibility", 16]]
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps})
-    cubin = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    tmp = Path(compiled.metadata.name + ".cubin")
-    try:
-        tmp.write_bytes(compiled.asm["cubin"])
-        usage = subprocess.run([str(cubin), "-res-usage", str(tmp)], capture_output=True, text=True, check=True).stdout
-    finally:
-        tmp.unlink(missing_ok=True)
-    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
-    assert found, usage
-    return compiled, int(found[1]), int(found[2])
+    return compile_sm90(kernel, signature, constexprs, attrs, warps)
 
 
 @pytest.mark.parametrize("model", list(MODELS))
