@@ -24,7 +24,6 @@ FLOAT32_POINTERS = ("weight_ptr", "branch_weight_ptr", "q_norm_ptr", "k_norm_ptr
 def _compile(kernel, constexprs: dict, warps: int, int_pointers: tuple[str, ...] = ()) -> tuple[str, int, int]:
     """The kernel compiled for sm_90 with bf16 tensors and float32 norm weights: (its PTX, registers, stack bytes
     per thread)."""
-    import triton
 
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):

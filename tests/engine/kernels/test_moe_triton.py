@@ -23,8 +23,6 @@ _TYPES = {"slots_ptr": "*i32", "ends_ptr": "*i32", "ids_ptr": "*i64", "counts_pt
 
 def _compile(kernel, constexprs: dict, warps: int, stages: int, types: dict[str, str]) -> tuple[str, int, int]:
     """The kernel compiled for sm_90: (its PTX, registers, stack bytes per thread)."""
-    import triton
-
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constexprs:

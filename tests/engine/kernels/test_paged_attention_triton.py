@@ -27,8 +27,6 @@ _INT_POINTERS = ("tables_ptr", "seq_lens_ptr", "query_lens_ptr", "query_starts_p
 
 def _compile(kernel, constexprs: dict, warps: int, dtype: str):
     """The kernel compiled for sm_90 with these constexprs: (compiled kernel, registers, stack bytes per thread)."""
-    import triton
-
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constexprs:

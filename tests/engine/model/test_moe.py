@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig, MoEConfig, RopeConfig
-from engine.model.moe import MoEExperts, MoEMLP, expert_activation, route
+from engine.model.moe import MoEMLP, expert_activation, route
 
 
 def brute_force_route(logits: torch.Tensor, k: int, top_k_first: bool, renormalize: bool):
