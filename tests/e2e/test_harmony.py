@@ -20,6 +20,7 @@ import pytest
 from engine.tokenizer.tokenizer import Tokenizer
 from tests.support.harmony_model import CONTROL_TOKENS, analysis_template, harmony_model
 from tests.support.reasoning_model import serving
+from tests.support.reasoning_stream import read_reasoning_stream
 from tests.support.server_process import ServerProcess
 
 ASK = [{"role": "user", "content": "The quick brown fox"}]
@@ -90,21 +91,10 @@ def test_the_analysis_is_the_reasoning_and_the_final_channel_the_answer(analysis
 def test_streamed_reasoning_comes_first_and_adds_up_to_the_answers(analysis: ServerProcess,
                                                                   tokenizer: Tokenizer) -> None:
     whole = thinking_then_answer(analysis, tokenizer).choices[0].message
-    thinking, content, order = "", "", []
     stream = client(analysis).chat.completions.create(
         model="hf", messages=ASK, temperature=0, max_tokens=40, logit_bias=banned(tokenizer), stream=True,
         extra_body={"thinking_token_budget": 5})
-    for chunk in stream:
-        if not chunk.choices:
-            continue
-        delta = chunk.choices[0].delta
-        extra = delta.model_extra or {}
-        if extra.get("reasoning"):
-            thinking += extra["reasoning"]
-            order.append("thinking")
-        if delta.content:
-            content += delta.content
-            order.append("answer")
+    thinking, content, order = read_reasoning_stream(stream)
     assert (thinking, content) == (whole.model_extra["reasoning"], whole.content)
     assert order == sorted(order, key=["thinking", "answer"].index)
 

@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from tests.support.reasoning_model import ASK
+from tests.support.reasoning_stream import read_reasoning_stream
 from tests.support.server_process import ServerProcess
 
 
@@ -56,21 +57,9 @@ def test_without_a_budget_it_thinks_to_max_tokens_and_the_answer_is_empty(r1: op
 
 def test_streamed_thinking_comes_first_and_adds_up_to_the_answers(r1: openai.OpenAI) -> None:
     whole = _chat(r1, thinking_token_budget=5).choices[0].message
-    thinking, content, order = "", "", []
     stream = r1.chat.completions.create(model="hf", messages=ASK, temperature=0, max_tokens=24, stream=True,
                                         extra_body={"thinking_token_budget": 5})
-    for chunk in stream:
-        if not chunk.choices:
-            continue
-        delta = chunk.choices[0].delta
-        extra = delta.model_extra or {}
-        if extra.get("reasoning"):
-            assert extra["reasoning_content"] == extra["reasoning"]
-            thinking += extra["reasoning"]
-            order.append("thinking")
-        if delta.content:
-            content += delta.content
-            order.append("answer")
+    thinking, content, order = read_reasoning_stream(stream)
     assert (thinking, content) == (whole.model_extra["reasoning"], whole.content)
     assert order == sorted(order, key=["thinking", "answer"].index)  # no thinking after the answer began
 

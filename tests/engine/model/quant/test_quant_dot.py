@@ -14,6 +14,7 @@ from engine import load_runner
 from engine.model.quant import GROUP_SIZE, Int4Linear, Int8Linear, quantize_4bit, quantize_int8, quantized_linear
 from engine.model.quant.dot import (Int4DotLinear, Int8DotEmbedding, Int8DotLinear, dot_kernels_serve, int8_rows,
     pack_int4, unpack_int4)
+from tests.support.dot_rule import dot_rule_matmul, quantized_activations
 
 pytestmark = pytest.mark.skipif(not dot_kernels_serve(torch.bfloat16),
                                 reason="no AVX-512 VNNI or no compiled CPU kernels here")
@@ -22,24 +23,13 @@ SHAPES = [(960, 576), (40, 64), (17, 96), (576, 1536)]  # SmolLM2's, and row cou
 ROWS = (1, 3, 4, 5, 9)                                   # inside one row tile, a whole one, and past it
 
 
-def quantized_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rule's activation codes [M, in] (float64 integers) and per-block scales [M, in // 32]."""
-    blocks = x.float().view(x.shape[0], -1, GROUP_SIZE)
-    top = blocks.abs().amax(-1)
-    inverse = torch.where(top > 0, 127 / top, 0)  # float32, as the kernel: codes = round(x * (127 / max))
-    codes = torch.round(blocks * inverse.unsqueeze(-1))  # round half to even
-    return codes.view(x.shape).double(), (top / 127).double()
-
-
 def reference(x: torch.Tensor, weight: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:
     """Brute force: per block, scale times the exact dot product of codes with `weight` [out, in] (per-block
     weight scales folded into `weight`), plus the offset [out, blocks] times scale times the code sum."""
-    codes, scale = quantized_activations(x)
-    m, blocks = scale.shape
-    per_block = torch.einsum("mbk,obk->mob", codes.view(m, blocks, GROUP_SIZE),
-                             weight.double().view(weight.shape[0], blocks, GROUP_SIZE))
-    y = (per_block * scale.unsqueeze(1)).sum(-1)
+    y = dot_rule_matmul(x, weight)
     if offset is not None:
+        codes, scale = quantized_activations(x)
+        m, blocks = scale.shape
         y = y + (offset.double().unsqueeze(0) * (scale * codes.view(m, blocks, GROUP_SIZE).sum(-1)).unsqueeze(1)).sum(-1)
     return y
 
