@@ -157,7 +157,7 @@ def shard_state(state: dict[str, Weight], cfg: ModelConfig, shard: Shard) -> Non
     """Replace the (fused, see loader._fuse_projections) full tensors of `state` by this rank's shares, in place.
     A tied LM head stays the same object as the embedding."""
     d, h, kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-    lh, lkv, li = shard.num_heads, shard.num_kv_heads, shard.intermediate
+    lh, lkv = shard.num_heads, shard.num_kv_heads
     q0, k0 = shard.rank * lh * d, shard.first_kv_head * d
     for layer in range(cfg.num_layers):
         p = f"layers.{layer}."

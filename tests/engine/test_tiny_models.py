@@ -373,7 +373,7 @@ def test_transformers_loads_our_moe_gguf_as_the_roundtripped_reference(tiny_zoo,
     for name, param in ref.state_dict().items():
         assert torch.equal(loaded[name], param), f"{name}: max diff {(loaded[name] - param).abs().max():.3e}"
     if gguf_type != "F32":  # quantization really changed the experts
-        experts = f"model.layers.0.mlp.experts.gate_up_proj"
+        experts = "model.layers.0.mlp.experts.gate_up_proj"
         assert not torch.equal(ref.state_dict()[experts], tiny.hf_model.state_dict()[experts])
     ids = _long_ids(tiny)
     want = hf_logits(ref, ids)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGUFReader, GGMLQuantizationType as Q
+from gguf import GGUFReader
 from gguf.quants import dequantize as ref_dequantize
 
 from engine import load_runner
