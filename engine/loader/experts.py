@@ -12,14 +12,13 @@ time). Here each becomes, packed one expert at a time so that no dense copy of e
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from engine.model.moe import KernelExperts, MoEMLP
 from engine.model.quant import Affine4Bit, quantize_4bit
-from engine.model.quant.experts import ExpertStack, expert_stack
+from engine.model.quant.experts import ExpertStack, dense_expert, expert_stack, per_expert
 from engine.model.quant.mxfp4 import Mxfp4Tensor
 
 
@@ -36,31 +35,14 @@ def place_experts(model: torch.nn.Module, state: dict[str, Any], quant: str, dty
             if getattr(source, "form", None) == "mxfp4":  # a GGUF's MXFP4 experts: stacked as they are, 4 bits
                 source = source.stacked()
             if bias is not None:
-                bias = _dense(bias).to(device)
+                bias = dense_expert(bias).to(device)
             if device.type == "cuda":
                 stack: ExpertStack = KernelExperts(_kernel_weights(source, quant, dtype, device), bias, dtype)
             else:
                 four_bit = isinstance(source, Affine4Bit) or bool(getattr(source, "four_bit", False))
                 mode = quant if requantize_floats or four_bit or quant == "none" else "int8"
-                stack = expert_stack(source, bias, mode, dtype, _count(source), source.shape[-1])
+                stack = expert_stack(source, bias, mode, dtype, in_features=source.shape[-1])
             setattr(mlp.experts, name, stack)
-
-
-def _count(source: Any) -> int | None:
-    return None if isinstance(source, (torch.Tensor, Affine4Bit, Mxfp4Tensor)) else len(source)
-
-
-def _dense(w: Any) -> torch.Tensor:
-    return w.dequantize() if isinstance(w, (Affine4Bit, Mxfp4Tensor)) else w
-
-
-def _experts(source: Any) -> Iterable[Any]:
-    """The experts of a stack one at a time."""
-    if isinstance(source, torch.Tensor):
-        return source.unbind(0)
-    if isinstance(source, Affine4Bit):
-        return (Affine4Bit(source.codes[e], source.scale[e], source.offset[e]) for e in range(source.shape[0]))
-    return source
 
 
 def _kernel_weights(source: Any, quant: str, dtype: torch.dtype, device: torch.device) -> Any:
@@ -73,12 +55,12 @@ def _kernel_weights(source: Any, quant: str, dtype: torch.dtype, device: torch.d
         codes = torch.empty((e, out_f, in_f // 2), dtype=torch.uint8, device=device)
         scales = torch.empty((e, out_f, in_f // kernels.GROUP), dtype=dtype, device=device)
         offsets = torch.empty_like(scales)
-        for i, w in enumerate(_experts(source)):
-            four = w if isinstance(w, Affine4Bit) else quantize_4bit(_dense(w))
+        for i, w in enumerate(per_expert(source, None)[0]):
+            four = w if isinstance(w, Affine4Bit) else quantize_4bit(dense_expert(w))
             codes[i] = kernels.pack_nibbles(four.codes.to(device))
             scales[i], offsets[i] = four.scale.to(device), four.offset.to(device)
         return kernels.int4(codes, scales, offsets)
     weight = torch.empty((e, out_f, in_f), dtype=dtype, device=device)
-    for i, w in enumerate(_experts(source)):
-        weight[i] = _dense(w).to(device=device, dtype=dtype)
+    for i, w in enumerate(per_expert(source, None)[0]):
+        weight[i] = dense_expert(w).to(device=device, dtype=dtype)
     return kernels.dense(weight)

@@ -4,8 +4,10 @@ are computed, and their outputs are summed with the router's weights (plus a sha
 On CPU the experts run grouped: the step's (token, expert) pairs are sorted by expert, and each expert with tokens
 multiplies all of them at once, so its weights are read once per step whatever the number of tokens routed to it.
 On CUDA the same sums run in the fused Triton kernel of engine/kernels/moe.py (tokens sorted by expert on the
-device, static shapes: capturable in CUDA graphs). Expert weights are `ExpertStack`s (float) or their quantized
-forms (engine/model/quant), which share its `matmul(x, expert, deterministic)`.
+device, static shapes: capturable in CUDA graphs). Each projection of every expert is one `ExpertStack`
+(engine/model/quant/experts.py, `matmul(x, expert, deterministic)`): the model is built with `CheckpointExperts`
+(float parameters the loader fills), which the loader replaces by the form that serves (engine/loader/experts.py):
+a quantized CPU stack, or `KernelExperts` on CUDA.
 """
 # No `from __future__ import annotations`: TorchScript compiles this module as part of the decoder stack.
 from typing import TYPE_CHECKING, Any, List, Optional, Tuple
@@ -16,12 +18,11 @@ from torch import Tensor, nn
 
 from engine.config import ModelConfig, MoEConfig
 from engine.kernels.fused import gated_activation
-from engine.model.layers import GatedMLP, Linear, tiled_matmul
-from engine.model.quant.experts import ExpertStack
+from engine.model.layers import GatedMLP, Linear
+from engine.model.quant.experts import ExpertStack, float_expert_matmul
 
 if TYPE_CHECKING:
     from engine.kernels.moe import ExpertWeights
-
 
 
 def _top_k(scores: Tensor, k: int) -> Tuple[Tensor, Tensor]:
@@ -73,9 +74,7 @@ class CheckpointExperts(ExpertStack):
             self.register_buffer("bias", None)
 
     def expert_matmul(self, x: Tensor, expert: int, deterministic: bool) -> Tensor:
-        if deterministic and x.is_cpu:  # a row's sums must not depend on how many rows the expert got
-            return tiled_matmul(x, self.weight[expert])
-        return F.linear(x, self.weight[expert])
+        return float_expert_matmul(x, self.weight[expert], deterministic)
 
     def dequantize_expert(self, expert: int) -> Tensor:
         return self.weight[expert].float()

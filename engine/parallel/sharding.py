@@ -142,8 +142,8 @@ def _shard_experts(state: dict[str, Weight], prefix: str, cfg: ModelConfig, shar
         if name in state:  # [E, gate (I) | up (I), ...] → this rank's slice of each half
             w = _dense(state[name])
             state[name] = torch.cat((w[:, i0:i0 + part], w[:, width + i0:width + i0 + part]), dim=1).contiguous()
-    state[f"{prefix}experts.down.weight"] = _dense(state[f"{prefix}experts.down.weight"])[:, :, i0:i0 + part]
-    state[f"{prefix}experts.down.weight"] = state[f"{prefix}experts.down.weight"].contiguous()
+    down = f"{prefix}experts.down.weight"
+    state[down] = _dense(state[down])[:, :, i0:i0 + part].contiguous()
     _first_rank_only(state, f"{prefix}experts.down.bias", shard)
     if moe.shared_intermediate:
         _shard_gated(state, f"{prefix}shared_expert.", moe.shared_intermediate, shard)

@@ -28,11 +28,6 @@ _PROJECTIONS = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "do
                 "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
-def is_expert_tensor(name: str) -> bool:
-    """Whether a checkpoint tensor (in the decoder's names, prefix stripped) belongs to a router or the experts."""
-    return any(p.fullmatch(name) for p in (_PER_EXPERT, _ROUTER, _STACKED, _MXFP4))
-
-
 def stack_experts(state: dict[str, Any], cfg: ModelConfig) -> None:
     """Rename the routers and stack the experts of `state` in place (each expert's tensors are popped as they are
     stacked, so no more than one layer's projection is held twice)."""

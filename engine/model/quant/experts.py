@@ -72,7 +72,7 @@ class ExpertStack(nn.Module):
         return self.matmul(x, expert, deterministic)
 
 
-def _per_expert(source: ExpertSource, num_experts: Optional[int]) -> Tuple[Iterator, int]:
+def per_expert(source: ExpertSource, num_experts: Optional[int]) -> Tuple[Iterator, int]:
     """The experts of a source one at a time (views of a stacked one), and how many there are."""
     if isinstance(source, Tensor):
         return iter(source.unbind(0)), source.shape[0]
@@ -91,7 +91,7 @@ def _pack_stack(source: ExpertSource, num_experts: Optional[int],
                 pack: Callable[..., Tuple[Tensor, ...]]) -> Tuple[List[Tensor], int, int, int]:
     """`pack` applied to each expert of `source`, its tensors stacked along a new leading dim (allocated once, each
     expert's written in as it comes): (stacked tensors, experts, out_features, in_features)."""
-    parts, count = _per_expert(source, num_experts)
+    parts, count = per_expert(source, num_experts)
     stacked: List[Tensor] = []
     shape: Tuple[int, ...] = ()
     done = 0
@@ -112,12 +112,13 @@ def _pack_stack(source: ExpertSource, num_experts: Optional[int],
     return stacked, count, shape[0], shape[1]
 
 
-def _dense(w: ExpertWeight) -> Tensor:
+def dense_expert(w: ExpertWeight) -> Tensor:
+    """One expert's (or a stack's) weights as float: 4-bit forms dequantized."""
     return w.dequantize() if isinstance(w, (Affine4Bit, Mxfp4Tensor)) else w
 
 
 def _four_bit(w: ExpertWeight) -> Affine4Bit:
-    return w if isinstance(w, Affine4Bit) else quantize_4bit(_dense(w))
+    return w if isinstance(w, Affine4Bit) else quantize_4bit(dense_expert(w))
 
 
 def _mxfp4(w: ExpertWeight) -> Mxfp4Tensor:
@@ -131,7 +132,8 @@ def _mxfp4_parts(w: ExpertWeight) -> Tuple[Tensor, Tensor]:
     return q.blocks, q.scales
 
 
-def _float_matmul(x: Tensor, w: Tensor, deterministic: bool) -> Tensor:
+def float_expert_matmul(x: Tensor, w: Tensor, deterministic: bool) -> Tensor:
+    """x @ w^T of one expert's float weights; deterministic: fixed-shape calls, whatever the row count."""
     return tiled_matmul(x, w) if deterministic else dense_matmul(x, w)
 
 
@@ -141,12 +143,12 @@ class DenseExperts(ExpertStack):
     def __init__(self, experts: ExpertSource, bias: Optional[Tensor], dtype: torch.dtype,
                  num_experts: Optional[int] = None) -> None:
         super().__init__()
-        (weight,), e, out_f, in_f = _pack_stack(experts, num_experts, lambda w: (_dense(w).to(dtype),))
+        (weight,), e, out_f, in_f = _pack_stack(experts, num_experts, lambda w: (dense_expert(w).to(dtype),))
         self._init_stack(e, out_f, in_f, bias, dtype)
         self.register_buffer("weight", weight)
 
     def expert_matmul(self, x: Tensor, expert: int, deterministic: bool) -> Tensor:
-        return _float_matmul(x, self.weight[expert], deterministic)
+        return float_expert_matmul(x, self.weight[expert], deterministic)
 
     def dequantize_expert(self, expert: int) -> Tensor:
         return self.weight[expert].float()
@@ -181,7 +183,7 @@ class Mxfp4Experts(ExpertStack):
         return w.view(self.out_features, self.in_features).to(dtype)
 
     def expert_matmul(self, x: Tensor, expert: int, deterministic: bool) -> Tensor:
-        return _float_matmul(x, self.dequantize_as(expert, x.dtype), deterministic)
+        return float_expert_matmul(x, self.dequantize_as(expert, x.dtype), deterministic)
 
     def dequantize_expert(self, expert: int) -> Tensor:
         return self.dequantize_as(expert, torch.float32)
@@ -294,7 +296,7 @@ class Int8Experts(ExpertStack):
         super().__init__()
 
         def pack(w: ExpertWeight) -> Tuple[Tensor, Tensor]:
-            codes, scale = quantize_int8(_dense(w))
+            codes, scale = quantize_int8(dense_expert(w))
             return codes, scale.to(dtype)
 
         (weight, scale), e, out_f, in_f = _pack_stack(experts, num_experts, pack)
@@ -317,7 +319,7 @@ class Int8DotExperts(ExpertStack):
         super().__init__()
 
         def pack(w: ExpertWeight) -> Tuple[Tensor, Tensor]:
-            codes, scale = quantize_int8(_dense(w))
+            codes, scale = quantize_int8(dense_expert(w))
             packed = quant_dot.pack_int8(codes)
             rows = packed.shape[0] * _TILE
             return packed, F.pad(scale.float(), (0, rows - scale.shape[0]))
