@@ -45,6 +45,11 @@ def test_the_operators_choice_wins(thinking_tokenizer: Tokenizer) -> None:
     assert choose_format("seed_oss", None, lambda text: [1, 2]) is REASONING_FORMATS["seed_oss"]
 
 
+def test_harmony_is_refused_for_a_vocabulary_without_its_control_tokens(thinking_tokenizer: Tokenizer) -> None:
+    with pytest.raises(ValueError, match=r"--reasoning-parser harmony: the vocabulary lacks harmony's control tokens"):
+        choose_format("harmony", thinking_tokenizer.chat_template, encoder(thinking_tokenizer))
+
+
 @pytest.mark.parametrize("tail, inside", [("<|im_start|>assistant\n<think>\n", True),
                                           ("<|im_start|>assistant\n<think>\n\n</think>\n\n", False),
                                           ("<|im_start|>assistant\n", False)])
