@@ -170,13 +170,17 @@ def _one_width(value: Any, what: str) -> int:
     return int(value)
 
 
+def _check_routing(family: str, experts: int, top_k: int) -> None:
+    if experts < 1 or not 1 <= top_k <= experts:
+        raise UnsupportedModelError(f"{family}: {top_k} experts per token of {experts} is not a mixture of experts")
+
+
 def _moe_config_from_gguf(family: str, get: Any, common: dict[str, Any], rope: RopeConfig,
                           tensor_names: Collection[str] | None) -> ModelConfig:
     """A mixture-of-experts family's config from GGUF metadata, with llama.cpp's defaults for what it omits."""
     num_layers = common["num_layers"]
     experts, top_k = int(get("expert_count") or 0), int(get("expert_used_count") or 0)
-    if experts < 1 or not 1 <= top_k <= experts:
-        raise UnsupportedModelError(f"{family}: {top_k} experts per token of {experts} is not a mixture of experts")
+    _check_routing(family, experts, top_k)
     gating = get("expert_gating_func")
     if gating is not None and int(gating) != _GGUF_GATING_SOFTMAX and family != "gpt_oss":
         raise UnsupportedModelError(f"{family}: expert gating function {gating} is not supported (softmax only)")
@@ -187,14 +191,14 @@ def _moe_config_from_gguf(family: str, get: Any, common: dict[str, Any], rope: R
     names = set(tensor_names) if tensor_names is not None else None
     dense = () if names is None else tuple(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names)
 
-    def has_bias(default: bool) -> bool:
-        return default if names is None else "blk.0.attn_q.bias" in names
+    def has(tensor: str, default: bool) -> bool:  # e.g. whether the attention has biases: the file's tensors say
+        return default if names is None else f"blk.0.{tensor}" in names
 
     if family == "gpt_oss":
         window = int(get("attention.sliding_window") or 128)
         return ModelConfig(
-            family=family, **common, rope=rope, attention_bias=has_bias(True),
-            o_proj_bias=True if names is None else "blk.0.attn_output.bias" in names, attention_sinks=True,
+            family=family, **common, rope=rope, attention_bias=has("attn_q.bias", True),
+            o_proj_bias=has("attn_output.bias", True), attention_sinks=True,
             sliding_window=window, layer_is_sliding=_gguf_sliding_layers(get("attention.sliding_window_pattern"),
                                                                           num_layers),
             moe=MoEConfig(experts, top_k, expert_ff, router="topk_softmax", router_bias=True, expert_bias=True,
@@ -206,7 +210,8 @@ def _moe_config_from_gguf(family: str, get: Any, common: dict[str, Any], rope: R
     moe = MoEConfig(experts, top_k, expert_ff, renormalize=renormalize, shared_intermediate=shared,
                     dense_layers=dense)
     return ModelConfig(family=family, **common, rope=rope, moe=moe, qk_norm=family in ("qwen3_moe", "olmoe"),
-                       qk_norm_per_head=family != "olmoe", attention_bias=has_bias(family == "qwen2_moe"))
+                       qk_norm_per_head=family != "olmoe", attention_bias=has("attn_q.bias", family == "qwen2_moe"),
+                       o_proj_bias=has("attn_output.bias", False))
 
 
 def _gguf_sliding_layers(pattern: Any, num_layers: int) -> list[bool]:
@@ -383,8 +388,7 @@ def _moe_config_from_hf(family: str, cfg: dict[str, Any], common: dict[str, Any]
     num_layers = common["num_layers"]
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
     top_k = int(cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or 0)
-    if experts < 1 or not 1 <= top_k <= experts:
-        raise UnsupportedModelError(f"{family}: {top_k} experts per token of {experts} is not a mixture of experts")
+    _check_routing(family, experts, top_k)
     rope = _hf_rope(cfg, None, 10_000.0 if family != "gpt_oss" else 150_000.0)
     if family in ("qwen3_moe", "qwen2_moe"):
         moe = MoEConfig(experts, top_k, int(cfg["moe_intermediate_size"]), renormalize=bool(cfg.get("norm_topk_prob")),
