@@ -277,6 +277,11 @@ _GGUF_YARN_KEYS = {"yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow",
 _YARN_UNTRUNCATED = ("gpt-oss", "gpt_oss")
 
 
+def yarn_mscale(factor: float, m: float = 1.0) -> float:
+    """YaRN's attention scale for a context `factor` times the trained one (with its `mscale` multiplier m)."""
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
 def gguf_rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
     """The `RopeConfig.scaling` of a GGUF's `{arch}.rope.scaling.*` metadata (llama.cpp's keys): linear or yarn
     (factor, original_context_length, the optional yarn_beta_fast / yarn_beta_slow, llama.cpp's defaults 32 and 1,
@@ -300,9 +305,9 @@ def gguf_rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
         scaling["mscale"] = 1.0  # llama.cpp's reading of yarn_log_multiplier
     extra = float(get("attn_factor") or 1.0)  # llama.cpp multiplies yarn's attention factor by it
     if extra != 1.0:
-        def mscale(m: float) -> float:
-            return 1.0 if scaling["factor"] <= 1 else 0.1 * m * math.log(scaling["factor"]) + 1.0
-        scaling["attention_factor"] = extra * mscale(1.0) / mscale(scaling.get("mscale_all_dim", 1.0))
+        factor = scaling["factor"]
+        scaling["attention_factor"] = extra * yarn_mscale(factor) / yarn_mscale(factor,
+                                                                               scaling.get("mscale_all_dim", 1.0))
     if get("yarn_attn_factor") is not None:  # what the converter writes for a config's own attention_factor
         scaling["attention_factor"] = float(get("yarn_attn_factor"))
     if arch in _YARN_UNTRUNCATED:

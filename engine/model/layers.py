@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from engine.kernels import gemv
 from engine.model.batch import ForwardBatch
-from engine.config import ModelConfig, RopeConfig
+from engine.config import ModelConfig, RopeConfig, yarn_mscale
 from engine.kernels.fused import CPU_KERNELS, gated_activation, rms_norm, rope_and_write_kv
 from engine.cache.kv_cache import gather_blocks, window_span
 
@@ -156,14 +156,10 @@ def rope_attention_factor(rope: Optional[RopeConfig]) -> float:
     if s.get("attention_factor") is not None:
         return float(s["attention_factor"])
     factor = float(s["factor"])
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     m, m_all = s.get("mscale"), s.get("mscale_all_dim")
     if m and m_all:
-        return float(mscale(factor, float(m)) / mscale(factor, float(m_all)))
-    return mscale(factor)
+        return float(yarn_mscale(factor, float(m)) / yarn_mscale(factor, float(m_all)))
+    return yarn_mscale(factor)
 
 
 def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
