@@ -25,6 +25,7 @@ PROMPT = ">>> "
 MAX_TOKENS = 8  # short answers: each costs the shared CPU a few decode steps
 LONG = 2000  # an answer that runs long after Ctrl-C is sent
 STOP_WITHIN_S = 5.0  # generous: a step on a shared 2-core machine can take a while
+LOGGED_WITHIN_S = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +40,16 @@ def requests_received(srv: ServerProcess) -> list[dict[str, Any]]:
     """The server's access-log records of chat completions, in order."""
     records = [json.loads(line) for line in srv.log().splitlines() if line.startswith("{")]
     return [r for r in records if r.get("path") == "/v1/chat/completions"]
+
+
+def requests_after(srv: ServerProcess, before: int, count: int = 1) -> list[dict[str, Any]]:
+    """The `count` records logged after the first `before`: a record is written once its response has ended, which
+    can be a moment after the chat has shown the whole answer."""
+    deadline = time.monotonic() + LOGGED_WITHIN_S
+    while len(records := requests_received(srv)) < before + count:
+        assert time.monotonic() < deadline, f"{len(records) - before} of {count} requests logged"
+        time.sleep(0.05)
+    return records[before:before + count]
 
 
 def direct_answer(srv: ServerProcess, messages: list[dict[str, str]], **options: Any) -> str:
@@ -83,6 +94,7 @@ def quit_chat(child: pexpect.spawn) -> None:
 def test_the_answer_streams_as_it_is_generated(chat_server: ServerProcess) -> None:
     """The first piece of the answer is on the screen while the server is still generating the rest."""
     child = spawn_chat(chat_server.base_url, "--temperature", "0", max_tokens=16)
+    before = len(requests_received(chat_server))
     child.sendline("Count from 1 to 30.")
     child.expect_exact("Count from 1 to 30.\r\n")
     first = child.read_nonblocking(4096, timeout=120)
@@ -91,16 +103,17 @@ def test_the_answer_streams_as_it_is_generated(chat_server: ServerProcess) -> No
     child.expect_exact(PROMPT)
     whole = (first + child.before).replace("\r\n", "\n")
     assert len(whole.strip()) > len(first.strip())
-    assert requests_received(chat_server)[-1]["output_tokens"] == 16
+    assert requests_after(chat_server, before)[0]["output_tokens"] == 16
     quit_chat(child)
 
 
 def test_turns_are_kept_reset_forgets_them_and_save_writes_them(chat_server: ServerProcess,
                                                                  tmp_path: Path) -> None:
     child = spawn_chat(f"{chat_server.base_url}/v1", "--temperature", "0")  # a URL with /v1 works too
+    before = len(requests_received(chat_server))
     first = send(child, "My name is Zorblax.").strip()
     second = send(child, "What is my name?").strip()
-    seen = requests_received(chat_server)[-2:]
+    seen = requests_after(chat_server, before, 2)
     assert seen[1]["prompt_tokens"] > seen[0]["prompt_tokens"] + seen[0]["output_tokens"]  # the first turn went too
     saved = tmp_path / "conversation.json"
     assert str(saved) in send(child, f"/save {saved}")
@@ -110,7 +123,7 @@ def test_turns_are_kept_reset_forgets_them_and_save_writes_them(chat_server: Ser
         ("user", "My name is Zorblax."), ("assistant", first), ("user", "What is my name?"), ("assistant", second)]
     assert "cleared" in send(child, "/reset")
     again = send(child, "My name is Zorblax.").strip()
-    assert requests_received(chat_server)[-1]["prompt_tokens"] == seen[0]["prompt_tokens"]  # nothing else was sent
+    assert requests_after(chat_server, before + 2)[0]["prompt_tokens"] == seen[0]["prompt_tokens"]  # nothing else sent
     assert again == first
     quit_chat(child)
 
@@ -123,13 +136,14 @@ def test_the_system_prompt_from_the_flag_and_the_command(chat_server: ServerProc
 
     pirate, poet = "You are a pirate.", "You are a poet who answers every question with a rhyme about the sea."
     child = spawn_chat(chat_server.base_url, "--system", pirate)
+    before = len(requests_received(chat_server))
     send(child, "Hello")
-    assert requests_received(chat_server)[-1]["prompt_tokens"] == prompt_tokens(pirate)
+    assert requests_after(chat_server, before)[0]["prompt_tokens"] == prompt_tokens(pirate)
     assert "set" in send(child, f"/system {poet}")
     send(child, "/reset")
     assert poet in send(child, "/system")
     send(child, "Hello")
-    assert requests_received(chat_server)[-1]["prompt_tokens"] == prompt_tokens(poet) != prompt_tokens(pirate)
+    assert requests_after(chat_server, before + 1)[0]["prompt_tokens"] == prompt_tokens(poet) != prompt_tokens(pirate)
     quit_chat(child)
 
 
@@ -157,6 +171,7 @@ def test_set_changes_the_values_of_the_next_answers(chat_server: ServerProcess) 
 
 def test_ctrl_c_stops_the_answer_and_the_chat_goes_on(chat_server: ServerProcess) -> None:
     child = spawn_chat(chat_server.base_url, "--temperature", "0", max_tokens=LONG)
+    before = len(requests_received(chat_server))
     child.sendline("Write a very long story about a dragon.")
     child.expect_exact("dragon.\r\n")
     child.expect(r"\w")  # the answer has begun
@@ -167,11 +182,11 @@ def test_ctrl_c_stops_the_answer_and_the_chat_goes_on(chat_server: ServerProcess
     while running(chat_server) != 0:  # the server stopped generating it: the chat closed the stream
         assert time.monotonic() < deadline, "the stopped answer is still being generated"
         time.sleep(0.05)
-    stopped = requests_received(chat_server)[-1]
+    [stopped] = requests_after(chat_server, before)
     assert stopped["finish_reason"] == "abort" and stopped["output_tokens"] < LONG, stopped
     send(child, f"/set max_tokens {MAX_TOKENS}")
     assert send(child, "What is 2 + 2?").strip()
-    answered = requests_received(chat_server)[-1]
+    [answered] = requests_after(chat_server, before + 1)
     assert answered["finish_reason"] != "abort" and answered["prompt_tokens"] > stopped["prompt_tokens"]
     quit_chat(child)
 
