@@ -22,6 +22,8 @@ from engine.errors import UnsupportedModelError
 from engine.model.layers import Linear
 from engine.model.moe import CheckpointExperts, MoEMLP
 from engine.model.quant import GROUP_SIZE, Affine4Bit
+from engine.model.quant.mxfp4 import MXFP4_BLOCK, Mxfp4Tensor
+from engine.weights.lazy_experts import LazyExperts
 
 
 @dataclass(frozen=True)
@@ -78,29 +80,39 @@ def shard_of(cfg: ModelConfig, rank: int, size: int) -> Shard:
                  -(-cfg.vocab_size // size))
 
 
-Weight = Any  # a float tensor or an Affine4Bit (a GGUF file's 4-bit blocks, kept packed)
+Weight = Any  # a float tensor, an Affine4Bit (a GGUF file's 4-bit blocks, kept packed), MXFP4 or LazyExperts
 
 
 def _rows(w: Weight, start: int, stop: int) -> Weight:
     if isinstance(w, Affine4Bit):
         return w.map_rows(lambda t: t[start:stop])
+    if isinstance(w, Mxfp4Tensor):
+        return w.rows(slice(start, stop))
     return w[start:stop]
 
 
+_BLOCK = {"affine4bit": GROUP_SIZE, "mxfp4": MXFP4_BLOCK, "float": 1}  # inputs per 4-bit block, by form
+
+
 def _columns(w: Weight, start: int, stop: int) -> Weight:
+    block = _BLOCK["affine4bit" if isinstance(w, Affine4Bit) else "mxfp4" if isinstance(w, Mxfp4Tensor) else "float"]
+    if start % block or stop % block:  # the shard cuts a 4-bit block: requantized from floats
+        return w.dequantize()[..., start:stop].contiguous()
     if isinstance(w, Affine4Bit):
-        if start % GROUP_SIZE or stop % GROUP_SIZE:  # the shard cuts a 4-bit group: requantized from floats
-            return w.dequantize()[:, start:stop].contiguous()
         g0, g1 = start // GROUP_SIZE, stop // GROUP_SIZE
         return Affine4Bit(w.codes[:, start:stop].contiguous(), w.scale[:, g0:g1].contiguous(),
                           w.offset[:, g0:g1].contiguous())
+    if isinstance(w, Mxfp4Tensor):
+        return w.columns(start, stop).contiguous()
     return w[:, start:stop].contiguous()
 
 
 def _cat_rows(parts: list[Weight]) -> Weight:
     if all(isinstance(p, Affine4Bit) for p in parts):
         return Affine4Bit.cat(parts)
-    return torch.cat([p.dequantize() if isinstance(p, Affine4Bit) else p for p in parts])
+    if all(isinstance(p, Mxfp4Tensor) for p in parts):
+        return Mxfp4Tensor.cat(parts)
+    return torch.cat([p.dequantize() if isinstance(p, (Affine4Bit, Mxfp4Tensor)) else p for p in parts])
 
 
 def _pad_rows(w: Weight, rows: int) -> Weight:
@@ -131,26 +143,32 @@ def _shard_gated(state: dict[str, Weight], prefix: str, width: int, shard: Shard
 
 def _shard_experts(state: dict[str, Weight], prefix: str, cfg: ModelConfig, shard: Shard) -> None:
     """Tensor-parallel experts: every rank holds every expert and routes every token (the router is replicated),
-    with its slice of each expert's FFN width; the layer's output is summed over the ranks (parallelize)."""
+    with its slice of each expert's FFN width; the layer's output is summed over the ranks (parallelize).
+
+    The weights' shares are read an expert at a time when the layer's serving stacks are placed
+    (engine/loader/experts.py), as unsplit ones are: no copy of every expert is made here, and 4-bit experts
+    (GGUF blocks, MXFP4) stay exact where the split falls on their blocks' edges (rows always do)."""
     moe = cfg.moe
     assert moe is not None
     width = moe.expert_intermediate
     part = width // shard.size
     i0 = shard.rank * part
-    for kind in ("weight", "bias"):
-        name = f"{prefix}experts.gate_up.{kind}"
-        if name in state:  # [E, gate (I) | up (I), ...] → this rank's slice of each half
-            w = _dense(state[name])
-            state[name] = torch.cat((w[:, i0:i0 + part], w[:, width + i0:width + i0 + part]), dim=1).contiguous()
-    down = f"{prefix}experts.down.weight"
-    state[down] = _dense(state[down])[:, :, i0:i0 + part].contiguous()
+    gate, up = (i0, i0 + part), (width + i0, width + i0 + part)
+    name = f"{prefix}experts.gate_up.weight"  # [E, gate (I) | up (I), hidden] → this rank's rows of each half
+    experts = LazyExperts.of(state[name])
+    state[name] = experts.map(lambda w: _cat_rows([_rows(w, *gate), _rows(w, *up)]), 2 * part,
+                              experts.in_features, experts.form)
+    bias = f"{prefix}experts.gate_up.bias"
+    if bias in state:
+        b = state[bias]
+        state[bias] = torch.cat((b[:, slice(*gate)], b[:, slice(*up)]), dim=1).contiguous()
+    name = f"{prefix}experts.down.weight"  # [E, hidden, I] → this rank's columns
+    experts = LazyExperts.of(state[name])
+    form = "float" if part % _BLOCK[experts.form] else experts.form  # (i0 is a multiple of part)
+    state[name] = experts.map(lambda w: _columns(w, i0, i0 + part), experts.out_features, part, form)
     _first_rank_only(state, f"{prefix}experts.down.bias", shard)
     if moe.shared_intermediate:
         _shard_gated(state, f"{prefix}shared_expert.", moe.shared_intermediate, shard)
-
-
-def _dense(w: Weight) -> torch.Tensor:
-    return w.dequantize() if hasattr(w, "dequantize") else w
 
 
 def shard_state(state: dict[str, Weight], cfg: ModelConfig, shard: Shard) -> None:

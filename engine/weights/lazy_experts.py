@@ -115,6 +115,28 @@ class LazyExperts(Sequence[ExpertWeight]):
                 getattr(whole, f)[i] = getattr(w, f)
         return whole
 
+    @staticmethod
+    def of(source: torch.Tensor | Affine4Bit | Mxfp4Tensor | LazyExperts) -> LazyExperts:
+        """Any stack of experts [E, out, in] as a `LazyExperts` (a stacked tensor's experts read as its views)."""
+        if isinstance(source, LazyExperts):
+            return source
+        if isinstance(source, Affine4Bit):
+            form: ExpertForm = "affine4bit"
+            read: Callable[[int], ExpertWeight] = lambda e: Affine4Bit(source.codes[e], source.scale[e],
+                                                                        source.offset[e])
+        elif isinstance(source, Mxfp4Tensor):
+            form, read = "mxfp4", source.select
+        else:
+            form, read = "float", source.__getitem__
+        count, out_features, in_features = source.shape
+        return LazyExperts(count, out_features, in_features, read, form)
+
+    def map(self, fn: Callable[[ExpertWeight], ExpertWeight], out_features: int, in_features: int,
+            form: ExpertForm) -> LazyExperts:
+        """Each expert through `fn` ([out, in] in this stack's form → [out_features, in_features] in `form`) when
+        it is read: a share of every expert, still unread."""
+        return LazyExperts(self._count, out_features, in_features, lambda e: fn(self[e]), form, name=self.name)
+
     def narrow(self, start: int, length: int) -> LazyExperts:
         """Experts start..start + length (an expert-parallel rank's share), still unread."""
         if start < 0 or length < 0 or start + length > self._count:

@@ -288,9 +288,10 @@ def _moe_config(variant: str, common: dict):
     from transformers import GptOssConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     attention = dict(num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=False)
-    if variant == "qwen3_moe":  # per-head q/k norms, renormalised top-k, one dense layer (mlp_only_layers)
-        return Qwen3MoeConfig(**common, **attention, head_dim=32, num_hidden_layers=3, intermediate_size=96,
-                              moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+    if variant == "qwen3_moe":  # per-head q/k norms, renormalised top-k, one dense layer (mlp_only_layers);
+        # FFN widths 128 and 64: split over 2 ranks, each rank's share of a 4-bit row is whole blocks of 32
+        return Qwen3MoeConfig(**common, **attention, head_dim=32, num_hidden_layers=3, intermediate_size=128,
+                              moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
                               mlp_only_layers=[1], decoder_sparse_step=1,
                               rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
                               use_sliding_window=False)

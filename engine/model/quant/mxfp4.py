@@ -103,6 +103,13 @@ class Mxfp4Tensor:
             return self.map(lambda t: t[..., index, :])
         return self.map(lambda t: t.index_select(-2, index.to(t.device)))
 
+    def columns(self, start: int, stop: int) -> "Mxfp4Tensor":
+        """Inputs start..stop of every row, both on block edges (a row-parallel rank's share)."""
+        if start % MXFP4_BLOCK or stop % MXFP4_BLOCK:
+            raise ValueError(f"MXFP4 columns {start}..{stop} cut a block of {MXFP4_BLOCK}")
+        return Mxfp4Tensor(self.blocks[..., start // 2:stop // 2],
+                           self.scales[..., start // MXFP4_BLOCK:stop // MXFP4_BLOCK])
+
     def contiguous(self) -> "Mxfp4Tensor":
         return self.map(Tensor.contiguous)
 

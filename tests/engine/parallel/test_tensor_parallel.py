@@ -19,13 +19,18 @@ from engine.model.batch import ForwardBatch, StepRow, build_batch
 from engine.config import ModelConfig, RopeConfig
 from engine.errors import UnsupportedModelError
 from engine.parallel.messages import MODE_HIDDEN, MODE_STOP, StepMessage, decode_step, encode_step
-from engine.parallel.sharding import check_shardable, shard_of
-from engine.model.quant import Int4Linear
+from engine.config import MoEConfig
+from engine.parallel.sharding import check_shardable, shard_of, shard_state
+from engine.model.quant import Affine4Bit, Int4Linear, quantize_4bit
 from engine.model.quant.dot import Int4DotLinear
+from engine.model.quant.experts import Int4DotExperts, Int4Experts
+from engine.model.quant.mxfp4 import quantize_mxfp4
+from engine.weights.lazy_experts import LazyExperts
 from tests.support.tiny_models import prompt_ids
 
 TP = 2
 TOLERANCE = 1e-5  # float32, absolute
+FOUR_BIT_EXPERTS = (Int4Experts, Int4DotExperts)
 # one variant per family (llama3_scaled: llama again); the mixtures of experts split each expert's FFN width
 FAMILIES = ["llama_tied", "qwen2", "qwen3", "gemma3", "qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"]
 
@@ -86,12 +91,13 @@ def test_two_ranks_give_the_single_process_logits(tiny_zoo, variant: str) -> Non
         assert diff <= TOLERANCE, f"{variant} output {i}: max abs diff {diff:.2e} (scale {float(e.abs().max()):.1f})"
 
 
-def test_int4_weights_split_into_the_same_weights(tiny_zoo) -> None:
+@pytest.mark.parametrize("variant", ["llama_tied", "qwen3_moe"])
+def test_int4_weights_split_into_the_same_weights(tiny_zoo, variant: str) -> None:
     """Sharding happens before quantization, on 4-bit GGUF blocks: each rank's int4 share holds exactly the rows and
-    groups of the whole (the split points fall on group boundaries), so the logits are the single process's again
-    (float32 activations: only the order of the sums differs)."""
-    tiny = tiny_zoo.model("llama_tied")
-    path = str(tiny_zoo.gguf("llama_tied", "Q4_0"))
+    groups of the whole (the split points fall on group boundaries; a mixture's experts are split an expert at a
+    time), so the logits are the single process's again (float32 activations: only the order of the sums differs)."""
+    tiny = tiny_zoo.model(variant)
+    path = str(tiny_zoo.gguf(variant, "Q4_0"))
     single = load_runner(path, dtype="float32", quant="int4")
     expected = _scenario(single, tiny)
     split = load_runner(path, dtype="float32", quant="int4", tensor_parallel_size=TP)
@@ -100,13 +106,16 @@ def test_int4_weights_split_into_the_same_weights(tiny_zoo) -> None:
             attn = runner.model.layers[0].self_attn
             assert isinstance(attn.qkv_proj, (Int4Linear, Int4DotLinear))
             assert isinstance(getattr(attn.o_proj, "inner", attn.o_proj), (Int4Linear, Int4DotLinear))
+            if runner.config.moe is not None:  # the experts' stacks are the 4-bit codes of the file too
+                experts = getattr(runner.model.layers[0].mlp, "inner", runner.model.layers[0].mlp).experts
+                assert isinstance(experts.gate_up, FOUR_BIT_EXPERTS) and isinstance(experts.down, FOUR_BIT_EXPERTS)
         got = _scenario(split, tiny)
     finally:
         split.close()
     assert len(got) == len(expected)
     for i, (g, e) in enumerate(zip(got, expected)):
         diff = float((g - e).abs().max())
-        assert diff <= TOLERANCE, f"int4 output {i}: max abs diff {diff:.2e}"
+        assert diff <= TOLERANCE, f"{variant} int4 output {i}: max abs diff {diff:.2e}"
 
 
 def test_a_model_that_does_not_split_is_refused_before_spawning(tiny_zoo) -> None:
@@ -198,6 +207,58 @@ def test_olmoe_full_width_qk_norms_are_refused_and_experts_must_split(tiny_zoo) 
     with pytest.raises(UnsupportedModelError, match="q/k norms over all heads"):
         check_shardable(cfg, 2)
     moe_cfg = model_config(tiny_zoo.model("qwen3_moe").safetensors_dir)
-    check_shardable(moe_cfg, 2)  # expert width 32 splits
-    with pytest.raises(UnsupportedModelError, match="expert FFN width of 32"):
+    check_shardable(moe_cfg, 2)  # expert width 64 splits
+    with pytest.raises(UnsupportedModelError, match="expert FFN width of 64"):
         check_shardable(moe_cfg, 3)
+
+
+def _moe_state(form: str, width: int, reads: list[int], experts: int = 3,
+               hidden: int = 64) -> tuple[ModelConfig, dict, dict]:
+    """A one-layer MoE config and a state dict of its (fused) tensors, with its expert stacks in `form`, and
+    those stacks dequantized (what every share is checked against); a lazy stack's reads are appended to `reads`."""
+    cfg = ModelConfig(family="qwen3_moe", vocab_size=64, hidden_size=hidden, intermediate_size=128, num_layers=1,
+                      num_heads=4, num_kv_heads=2, head_dim=16, rms_eps=1e-6, max_position=64,
+                      rope=RopeConfig(10_000.0), tie_embeddings=False,
+                      moe=MoEConfig(num_experts=experts, top_k=2, expert_intermediate=width))
+    g = torch.Generator().manual_seed(width)
+    floats = {"gate_up": torch.randn(experts, 2 * width, hidden, generator=g),
+              "down": torch.randn(experts, hidden, width, generator=g)}
+    state = {"layers.0.self_attn.qkv_proj.weight": torch.randn(8 * 16, hidden, generator=g),
+             "layers.0.self_attn.o_proj.weight": torch.randn(hidden, 4 * 16, generator=g),
+             "embed_tokens.weight": torch.randn(64, hidden, generator=g),
+             "lm_head.weight": torch.randn(64, hidden, generator=g)}
+    whole = {}
+    for name, w in floats.items():
+        if form == "float":
+            stack = w
+        elif form == "mxfp4":
+            stack = quantize_mxfp4(w)
+        else:  # 4-bit blocks, stacked or (as the GGUF reader gives them) read an expert at a time
+            four = [quantize_4bit(e) for e in w]
+            stack = Affine4Bit(*(torch.stack([getattr(f, k) for f in four]) for k in ("codes", "scale", "offset")))
+            if form == "lazy_affine4bit":  # counting its reads
+                stack = LazyExperts(experts, *w.shape[1:], lambda e, four=four: reads.append(e) or four[e],
+                                    "affine4bit")
+        whole[name] = w if form == "float" else (stack.dequantize() if form != "lazy_affine4bit" else
+                                                  torch.stack([f.dequantize() for f in four]))
+        state[f"layers.0.mlp.experts.{name}.weight"] = stack
+    return cfg, state, whole
+
+
+@pytest.mark.parametrize("form", ["float", "affine4bit", "lazy_affine4bit", "mxfp4"])
+@pytest.mark.parametrize("width", [128, 96])  # a rank's 64 columns of down fall on 4-bit block edges; 48 cut one
+def test_each_rank_holds_its_slice_of_every_expert_in_4_bits_where_blocks_allow(form: str, width: int) -> None:
+    part = width // TP
+    for rank in range(TP):
+        reads: list[int] = []
+        cfg, state, whole = _moe_state(form, width, reads)
+        shard_state(state, cfg, shard_of(cfg, rank, TP))
+        assert reads == []  # no expert is read until the stacks are placed, an expert at a time
+        gate_up, down = state["layers.0.mlp.experts.gate_up.weight"], state["layers.0.mlp.experts.down.weight"]
+        rows = torch.cat((torch.arange(rank * part, (rank + 1) * part),
+                          torch.arange(width + rank * part, width + (rank + 1) * part)))
+        assert torch.equal(gate_up.dequantize(), whole["gate_up"][:, rows])  # nothing rounded again
+        assert torch.equal(down.dequantize(), whole["down"][:, :, rank * part:(rank + 1) * part])
+        four_bit = "float" if form == "float" else form.removeprefix("lazy_")
+        assert gate_up.form == four_bit  # rows never cut a block
+        assert down.form == (four_bit if part % 32 == 0 else "float")
