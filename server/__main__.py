@@ -1,6 +1,4 @@
 """`python -m server` is the `emberserve` command."""
-import sys
+from server.launch.cli import entry
 
-from server.launch.cli import main
-
-sys.exit(main())
+entry()

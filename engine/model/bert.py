@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from engine.config import EncoderConfig
 from engine.errors import ModelFormatError
+from engine.model.layers import embedding_table
 
 
 class PackedSentences(NamedTuple):
@@ -93,9 +94,9 @@ class BertEncoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         h = cfg.hidden_size
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
-        self.embed_positions = nn.Embedding(cfg.max_position, h)
-        self.embed_types = nn.Embedding(cfg.type_vocab_size, h)
+        self.embed_tokens = embedding_table(cfg.vocab_size, h)
+        self.embed_positions = embedding_table(cfg.max_position, h)
+        self.embed_types = embedding_table(cfg.type_vocab_size, h)
         self.embed_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
         self.layers = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_layers))
 

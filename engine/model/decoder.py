@@ -21,7 +21,7 @@ from engine.model.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.cache.kv_cache import PagedKVCache
 from engine.kernels.fused import add_rms_norm
-from engine.model.layers import (CPU_PAGED_DECODE, DecoderStack, Linear, RMSNorm, RopeTables,
+from engine.model.layers import (CPU_PAGED_DECODE, DecoderStack, Linear, RMSNorm, RopeTables, embedding_table,
     rope_attention_factor, rope_inv_freq, rope_lookup, rope_table)
 
 log = logging.getLogger("emberserve.engine")
@@ -33,13 +33,17 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, block_cls: type[nn.Module]) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding_table(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(block_cls(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.set_rope(rope_inv_freq(cfg.rope, cfg.head_dim),
-                      rope_inv_freq(cfg.local_rope, cfg.head_dim) if cfg.local_rope else None,
-                      cfg.max_position, torch.float32)
+        if self.norm.weight.is_meta:  # built to be loaded: the loader builds the tables for its context
+            for name in ("inv_freq", "local_inv_freq", "rope_cos", "rope_sin", "local_rope_cos", "local_rope_sin"):
+                self.register_buffer(name, None, persistent=False)
+        else:
+            self.set_rope(rope_inv_freq(cfg.rope, cfg.head_dim),
+                          rope_inv_freq(cfg.local_rope, cfg.head_dim) if cfg.local_rope else None,
+                          cfg.max_position, torch.float32)
         # On CPU the stack runs scripted, built on the first step; False keeps it eager everywhere.
         self.script = True
         self.__dict__["_stack"] = DecoderStack(self.layers)  # not submodules: they are the model's own layers

@@ -41,6 +41,8 @@ else:
 
 def doubled_norm_weight(weight: Tensor) -> Tensor:
     """[weight, 0] in float32: the layer-norm weight of `rms_norm`'s bfloat16 CPU path."""
+    if weight.is_meta:  # a model being built: its shape only (meta ops would import torch._dynamo, see embedding_table)
+        return torch.empty(2 * weight.shape[0], dtype=torch.float32, device="meta")
     return torch.cat((weight.float(), torch.zeros_like(weight.float())))
 
 
@@ -99,6 +101,13 @@ class Linear(nn.Linear):
             if gemv.serves(x, self.weight):
                 return gemv.gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def embedding_table(rows: int, dim: int) -> nn.Embedding:
+    """An embedding of `rows` vectors left uninitialised (its weights are loaded next): built on the meta device,
+    nn.Embedding's own random init goes through torch's Python decompositions, whose first use imports
+    torch._dynamo (about a second of every model load)."""
+    return nn.Embedding.from_pretrained(torch.empty(rows, dim), freeze=True)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int, freq_factors: Optional[Tensor] = None) -> Tensor:

@@ -19,7 +19,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.errors import UnsupportedModelError
-from engine.model.layers import Linear
+from engine.model.layers import Linear, embedding_table
 from engine.model.moe import CheckpointExperts, MoEMLP
 from engine.model.quant import GROUP_SIZE, Affine4Bit
 from engine.model.quant.mxfp4 import MXFP4_BLOCK, Mxfp4Tensor
@@ -218,7 +218,7 @@ def resize_modules(model: nn.Module, cfg: ModelConfig, shard: Shard) -> None:
                 _resize_experts(mlp, cfg, shard)
             else:
                 _resize_gated(mlp, hidden, li)
-        model.embed_tokens = nn.Embedding(shard.vocab_rows, hidden)
+        model.embed_tokens = embedding_table(shard.vocab_rows, hidden)
         model.lm_head = Linear(hidden, shard.vocab_rows, bias=False)
 
 

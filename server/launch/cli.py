@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import shutil
 import sys
 import tempfile
+from typing import NoReturn
 
 from engine.__main__ import run
 from engine.kernels.switches import configure as configure_kernels
@@ -121,5 +123,14 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
+def entry() -> NoReturn:
+    """The `emberserve` command (and `python -m server`): `main`, then the process exits with its status."""
+    status = main()
+    # What is still alive (torch, a model, the tokenizer, the app) is frozen: left to the operating system, not
+    # walked by the collector's last pass as the interpreter exits, which takes about a second after a model ran.
+    gc.freeze()
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

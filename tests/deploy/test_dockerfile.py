@@ -275,7 +275,7 @@ def test_exposed_port_and_environment_match_the_server_defaults() -> None:
 
 def test_healthcheck_hits_health_and_entrypoint_runs_the_cli() -> None:
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert pyproject["project"]["scripts"]["emberserve"] == "server.launch.cli:main"
+    assert pyproject["project"]["scripts"]["emberserve"] == "server.launch.cli:entry"
     venv = FINAL.env["VIRTUAL_ENV"]
     for stage in TARGETS:
         check = healthcheck_command(stage)
