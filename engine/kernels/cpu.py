@@ -87,11 +87,11 @@ def _library_path() -> Path:
 
 def build(path: Path | None = None) -> Path:
     """Compile the library (if its cached build is missing) and return its path; raises on failure."""
-    from torch.utils import cpp_extension
-
     path = path or _library_path()
     if path.exists():
         return path
+    from torch.utils import cpp_extension  # here: it imports setuptools, a fifth of a second of every start
+
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (c++ or g++) on PATH")
