@@ -59,7 +59,10 @@ class Fronts:
         return [p.pid for p in self._processes if p.pid is not None]
 
     def terminate(self) -> None:
-        """Begin the others' drain (SIGTERM: each stops taking requests and finishes its own)."""
+        """Begin the others' drain (SIGTERM: each stops taking requests and finishes its own), once: a second
+        SIGTERM would stop a draining process at once, cutting its streams."""
+        if self._stopping:
+            return
         self._stopping = True
         for process in self._processes:
             if process.is_alive():
