@@ -23,7 +23,7 @@ from engine import load_runner
 from engine.model.batch import StepRow
 from engine.runtime.cuda_graphs import StepStaging, table_width
 from server.scheduling.generation import Generation
-from server.sampling.sampler import SamplingParams
+from server.sampling.params import SamplingParams
 from server.scheduling.scheduler import Scheduler
 
 

@@ -13,6 +13,7 @@ from engine.config import EncoderConfig, ModelConfig, config_from_hf
 from engine.errors import ModelFormatError
 from engine.weights import Progress, no_progress
 from engine.weights.experts import stack_experts
+from engine.weights.safetensors_files import shard_files
 
 # Checkpoints nest the model under different prefixes (plain, multimodal gemma3, BERT with task heads).
 _PREFIXES = ("model.language_model.", "language_model.model.", "model.", "bert.")
@@ -20,21 +21,6 @@ _SKIPPED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_to
                      # BERT's pooler and pre-training heads: sentence embeddings pool the last hidden states
                      "pooler.", "bert.pooler.", "cls.")
 _SKIPPED_SUFFIXES = ("position_ids",)  # BERT's position index buffer (0..max-1), not a weight
-
-
-def shard_files(directory: Path) -> list[Path]:
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({directory / f for f in weight_map.values()})
-    else:
-        files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise ModelFormatError(f"{directory}: no model.safetensors or safetensors shards found")
-    missing = [str(f) for f in files if not f.is_file()]
-    if missing:
-        raise ModelFormatError(f"{directory}: missing safetensors shards: {', '.join(missing)}")
-    return files
 
 
 def _param_name(name: str) -> str | None:

@@ -16,6 +16,7 @@ from engine.errors import ModelFormatError
 from engine.registry import KnownModel
 from engine.tokenizer.tokenizer import Tokenizer, pretrained_chat_template
 from engine.weights.gguf_format import GGUFFile
+from engine.weights.safetensors_files import shard_files
 
 # generation_config.json's sampling values that requests fall back on
 _GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -127,8 +128,6 @@ def _gguf_file_type(gguf: GGUFFile, counts: dict[str, int]) -> str:
 
 
 def _safetensors_summary(directory: Path) -> WeightsSummary:
-    from engine.weights.safetensors import shard_files  # here: it imports torch, which listing models needs not
-
     config = directory / "config.json"
     if not config.is_file():
         raise ModelFormatError(f"{directory}: not a model directory (no config.json)")

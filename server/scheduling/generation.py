@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 from server.grammar.compiler import CompiledGrammar
 from server.reasoning.plan import ReasoningPlan
-from server.sampling.sampler import SamplingParams
+from server.sampling.params import SamplingParams
 
 
 @dataclass(frozen=True)

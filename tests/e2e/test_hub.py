@@ -320,6 +320,18 @@ def test_list_rm_and_show(env: dict[str, str], hub: FakeHub, tmp_path: Path, tin
     assert "an existing path of yours" in line and (own / "mine-Q8_0.gguf").is_file()
 
 
+def test_pull_list_show_and_rm_never_import_torch(env: dict[str, str], hub: FakeHub) -> None:
+    """The model commands read files and headers only: they answer without torch's second or more of imports."""
+    for args in (("pull", f"{GGUF_REPO}:Q8_0"), ("pull", SAFETENSORS_REPO), ("list",), ("show", f"{GGUF_REPO}:Q8_0"),
+                 ("show", SAFETENSORS_REPO), ("rm", SAFETENSORS_REPO)):
+        done = subprocess.run([sys.executable, "-X", "importtime", "-m", "server", *args], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()
+                    if line.startswith("import time:")}
+        assert "server.launch.cli" in imported and "torch" not in imported, args
+
+
 # ---- serving, and the Python API ----
 
 def test_serve_pull_downloads_then_serves_the_model(env: dict[str, str], hub: FakeHub, tmp_path: Path) -> None:

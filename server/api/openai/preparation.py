@@ -17,7 +17,7 @@ from server.api.openai.structured_outputs import output_grammar
 from server.api.openai.tool_calls import ToolPlan, plan_tools, template_messages, tool_format
 from server.errors import invalid
 from server.reasoning.plan import HARMONY_EFFORTS
-from server.grammar.compiler import GrammarSpec, StructuredOutputError
+from server.grammar.spec import GrammarSpec, StructuredOutputError
 from server.scheduling.generation import Generation
 from server.scheduling.model_state import ModelState
 

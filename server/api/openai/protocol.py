@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from server.config.presets import PresetName
-from server.sampling.sampler import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, logit_bias_entry
+from server.sampling.params import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, logit_bias_entry
 from server.config.settings import SpeculativeMethod
 from server.reasoning.plan import ReasoningEffort, efforts_described
 

@@ -24,7 +24,7 @@ from server.api.openai.preparation import (OutputPlan, Prepared, PromptIds, budg
 from server.api.openai.protocol import ChatCompletionRequest, OpenAIRequest, StructuredRequest, TopLogprob, Usage
 from server.logs import current_request
 from server.reasoning.plan import EFFORT_BUDGETS, ReasoningPlan, make_plan
-from server.sampling.sampler import SamplingParams, out_of_vocabulary
+from server.sampling.params import SamplingParams, out_of_vocabulary
 from server.scheduling.model_state import ModelState
 from server.api.sse import sse_error
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import jsonschema
 
-from server.grammar.compiler import GrammarSpec, StructuredOutputError
+from server.grammar.spec import GrammarSpec, StructuredOutputError
 from server.api.openai.protocol import ResponseFormat, StructuredOutputs
 
 __all__ = ["JSON_OBJECT_SCHEMA", "check_json_schema", "json_schema_spec", "output_grammar"]

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from server.grammar.compiler import JSON_FORMAT, GrammarSpec, StructuredOutputError
+from server.grammar.spec import JSON_FORMAT, GrammarSpec, StructuredOutputError
 from server.api.openai.protocol import ChatMessage, NamedToolChoice, ToolDefinition
 from server.api.openai.structured_outputs import check_json_schema
 from server.api.harmony_calls import HarmonyCallParser

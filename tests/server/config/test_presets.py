@@ -18,7 +18,7 @@ from server.launch.cli import main
 from server.api.metrics import ServerMetrics
 from server.config.presets import PRESETS, SAMPLING_FIELDS, get_preset, presets_table
 from server.api.openai.protocol import ChatCompletionRequest, CompletionRequest
-from server.sampling.sampler import SamplingParams
+from server.sampling.params import SamplingParams
 from server.api.openai.serving import OpenAIServing
 from server.scheduling.model_state import ModelState, ServedModel
 from server.config.settings import Settings

@@ -14,7 +14,7 @@ from server.process.response_store import ResponseStore
 from server.scheduling.generation import Generation, GenerationFailed
 from server.scheduling.model_state import PoolStats
 from server.grammar.compiler import GrammarCompiler, GrammarSpec
-from server.sampling.sampler import SamplingParams
+from server.sampling.params import SamplingParams
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"]}

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from server.sampling.device_tokens import sample_greedy_on_device
-from server.sampling.sampler import SamplingParams, SequenceSampler, sample_batch
+from server.sampling.params import SamplingParams
+from server.sampling.sampler import SequenceSampler, sample_batch
 
 VOCAB = 7
 # Ties, infinities and NaN are what a safe argmax must get right; a small alphabet makes them frequent.

@@ -10,8 +10,8 @@ import torch
 from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
-from server.sampling.sampler import (GREEDY_TEMPERATURE, SampledToken, SamplingParams, SequenceSampler, inverse_cdf,
-    sample_batch, sampling_probs)
+from server.sampling.params import GREEDY_TEMPERATURE, SamplingParams
+from server.sampling.sampler import SampledToken, SequenceSampler, inverse_cdf, sample_batch, sampling_probs
 
 DRAWS = 20_000
 

@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from server.api.openai.protocol import MAX_LOGIT_BIAS, ChatCompletionRequest, OpenAIRequest
-from server.sampling.sampler import (GREEDY_TEMPERATURE, SHIFT_ABOVE, SamplingParams, SequenceSampler, sample_batch,
-    sampling_probs)
+from server.sampling.params import GREEDY_TEMPERATURE, SamplingParams
+from server.sampling.sampler import SHIFT_ABOVE, SequenceSampler, sample_batch, sampling_probs
 
 F32_MAX = float(np.finfo(np.float32).max)
 F32_TINY = 2.0 ** -149

@@ -12,7 +12,7 @@ from engine import load_runner
 from engine.cache.kv_cache import kv_bytes_per_token
 from server.scheduling.embedding_jobs import EmbeddingJob, EmbeddingsDone
 from server.scheduling.generation import ChoiceDelta, Generation, GenerationDone, GenerationFailed
-from server.sampling.sampler import SamplingParams
+from server.sampling.params import SamplingParams
 from server.scheduling.scheduler import Scheduler
 
 INPUTS = [[101, *range(2000 + 7 * i, 2000 + 7 * i + 3 + 5 * i), 102] for i in range(8)]  # 5 to 40 tokens

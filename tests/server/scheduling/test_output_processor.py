@@ -6,7 +6,7 @@ import torch
 
 from engine.cache.block_manager import KVSequence
 from engine.model.batch import StepRow
-from server.sampling.sampler import SamplingParams
+from server.sampling.params import SamplingParams
 from server.scheduling.generation import Generation
 from server.scheduling.output_processor import OutputProcessor
 from server.scheduling.sequence import SequenceState

@@ -9,7 +9,7 @@ import pytest
 from engine import load_runner
 from engine.cache.kv_cache import kv_bytes_per_token
 from server.scheduling.generation import ChoiceDelta, Generation, GenerationDone
-from server.sampling.sampler import SamplingParams
+from server.sampling.params import SamplingParams
 from server.scheduling.scheduler import Scheduler
 
 PROMPTS = [[5 + i, 40 + 3 * i, 77, 12 + i] * (3 + i % 3) for i in range(6)]

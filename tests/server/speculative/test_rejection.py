@@ -9,7 +9,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from server.sampling.sampler import SamplingParams, SequenceSampler, sample_batch, sampling_probs
+from server.sampling.params import SamplingParams
+from server.sampling.sampler import SequenceSampler, sample_batch, sampling_probs
 from server.speculative.rejection import DraftCheck, verify_drafts
 
 V = 6

@@ -17,7 +17,8 @@ from server.scheduling.loading import load_speculator
 from server.speculative.draft_model import DraftModel, vocabulary_mismatch
 from server.scheduling.generation import ChoiceDelta, Generation, GenerationDone
 from server.scheduling.progress import LoadProgress
-from server.sampling.sampler import SamplingParams, SequenceSampler
+from server.sampling.params import SamplingParams
+from server.sampling.sampler import SequenceSampler
 from server.scheduling.scheduler import Scheduler
 from server.config.settings import Settings
 from server.speculative.speculator import (FIRST_PAUSE, PAUSE_BELOW, PROBE_RATE, RATE_WEIGHT, SpeculativeConfig,

@@ -13,7 +13,8 @@ import torch
 
 from server.grammar.compiler import GrammarCompiler, GrammarSpec, StructuredOutputError
 from server.api.openai.protocol import ResponseFormat, StructuredOutputs
-from server.sampling.sampler import SamplingParams, SequenceSampler, sample_batch
+from server.sampling.params import SamplingParams
+from server.sampling.sampler import SequenceSampler, sample_batch
 from server.api.openai.structured_outputs import output_grammar
 from server.grammar.token_bitmask import allocate_bitmask, allowed_tokens, apply_token_bitmask, unpack_bitmask
 from tests.support.schema_cases import OBJ, SCHEMAS
