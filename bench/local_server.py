@@ -5,17 +5,20 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
 
-def start_local_server(*serve_args: str, timeout: float = 120) -> tuple[subprocess.Popen, str]:
-    """(the server process, its base URL) once /health answers 200; the caller terminates the process."""
+def start_local_server(*serve_args: str, timeout: float = 120, cwd: Path | None = None,
+                       poll_s: float = 0.2) -> tuple[subprocess.Popen, str]:
+    """(the server process, its base URL) once /health answers 200 (asked every `poll_s`); the caller terminates the
+    process. `cwd`: the checkout whose `server` package runs (default: the current directory's)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "server", "serve", "--port", str(port), "--log-level", "warning",
-                             *serve_args])
+                             *serve_args], cwd=cwd)
     base_url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -26,6 +29,6 @@ def start_local_server(*serve_args: str, timeout: float = 120) -> tuple[subproce
                 return proc, base_url
         except httpx.HTTPError:
             pass
-        time.sleep(0.2)
+        time.sleep(poll_s)
     proc.terminate()
     raise RuntimeError(f"server not ready after {timeout}s")

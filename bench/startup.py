@@ -12,45 +12,23 @@ from __future__ import annotations
 
 import argparse
 import signal
-import socket
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import httpx
+from local_server import start_local_server
 
 ROOT = Path(__file__).resolve().parents[1]
 POLL_S = 0.02
 TIMEOUT_S = 120.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_and_stop(tree: Path, serve_args: list[str]) -> tuple[float, float]:
     """One start: (seconds to ready, seconds from SIGTERM to exit)."""
-    port = _free_port()
     started = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "server", "serve", "--port", str(port), "--log-level", "warning",
-                             *serve_args], cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc, _ = start_local_server(*serve_args, timeout=TIMEOUT_S, cwd=tree, poll_s=POLL_S)
+    ready = time.monotonic() - started
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server in {tree} exited with {proc.returncode} before it was ready")
-            if time.monotonic() - started > TIMEOUT_S:
-                raise RuntimeError(f"the server in {tree} was not ready after {TIMEOUT_S:.0f}s")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(POLL_S)
-        ready = time.monotonic() - started
         stopping = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=TIMEOUT_S)
