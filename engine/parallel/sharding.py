@@ -22,8 +22,9 @@ from engine.errors import UnsupportedModelError
 from engine.model.layers import Linear, embedding_table
 from engine.model.moe import CheckpointExperts, MoEMLP
 from engine.model.quant import GROUP_SIZE, Affine4Bit
+from engine.model.quant.experts import dense_expert
 from engine.model.quant.mxfp4 import MXFP4_BLOCK, Mxfp4Tensor
-from engine.weights.lazy_experts import LazyExperts
+from engine.weights.lazy_experts import LazyExperts, form_of
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ _BLOCK = {"affine4bit": GROUP_SIZE, "mxfp4": MXFP4_BLOCK, "float": 1}  # inputs 
 
 
 def _columns(w: Weight, start: int, stop: int) -> Weight:
-    block = _BLOCK["affine4bit" if isinstance(w, Affine4Bit) else "mxfp4" if isinstance(w, Mxfp4Tensor) else "float"]
+    block = _BLOCK[form_of(w)]
     if start % block or stop % block:  # the shard cuts a 4-bit block: requantized from floats
         return w.dequantize()[..., start:stop].contiguous()
     if isinstance(w, Affine4Bit):
@@ -112,7 +113,7 @@ def _cat_rows(parts: list[Weight]) -> Weight:
         return Affine4Bit.cat(parts)
     if all(isinstance(p, Mxfp4Tensor) for p in parts):
         return Mxfp4Tensor.cat(parts)
-    return torch.cat([p.dequantize() if isinstance(p, (Affine4Bit, Mxfp4Tensor)) else p for p in parts])
+    return torch.cat([dense_expert(p) for p in parts])
 
 
 def _pad_rows(w: Weight, rows: int) -> Weight:

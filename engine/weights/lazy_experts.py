@@ -22,6 +22,7 @@ from typing import Literal, Union
 import torch
 
 from engine.model.quant import GROUP_SIZE, Affine4Bit
+from engine.model.quant.experts import dense_expert
 from engine.model.quant.mxfp4 import MXFP4_BLOCK, Mxfp4Tensor
 
 ExpertWeight = Union[torch.Tensor, Affine4Bit, Mxfp4Tensor]
@@ -29,8 +30,9 @@ ExpertForm = Literal["float", "affine4bit", "mxfp4"]
 _FORMS = {"float": torch.Tensor, "affine4bit": Affine4Bit, "mxfp4": Mxfp4Tensor}
 
 
-def _dense(w: ExpertWeight) -> torch.Tensor:
-    return w if isinstance(w, torch.Tensor) else w.dequantize()
+def form_of(w: ExpertWeight) -> ExpertForm:
+    """The form of a weight (one expert's, a stack's or a plain linear's): float, affine4bit or mxfp4."""
+    return "affine4bit" if isinstance(w, Affine4Bit) else "mxfp4" if isinstance(w, Mxfp4Tensor) else "float"
 
 
 class LazyExperts(Sequence[ExpertWeight]):
@@ -87,7 +89,7 @@ class LazyExperts(Sequence[ExpertWeight]):
         more than one expert's float32 copy is held."""
         out = torch.empty(tuple(self.shape), dtype=dtype)
         for e in range(self._count):
-            out[e] = _dense(self[e])
+            out[e] = dense_expert(self[e])
         return out
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -120,14 +122,8 @@ class LazyExperts(Sequence[ExpertWeight]):
         """Any stack of experts [E, out, in] as a `LazyExperts` (a stacked tensor's experts read as its views)."""
         if isinstance(source, LazyExperts):
             return source
-        if isinstance(source, Affine4Bit):
-            form: ExpertForm = "affine4bit"
-            read: Callable[[int], ExpertWeight] = lambda e: Affine4Bit(source.codes[e], source.scale[e],
-                                                                        source.offset[e])
-        elif isinstance(source, Mxfp4Tensor):
-            form, read = "mxfp4", source.select
-        else:
-            form, read = "float", source.__getitem__
+        form = form_of(source)
+        read = source.__getitem__ if form == "float" else source.select
         count, out_features, in_features = source.shape
         return LazyExperts(count, out_features, in_features, read, form)
 
@@ -163,7 +159,7 @@ class LazyExperts(Sequence[ExpertWeight]):
                 return Affine4Bit.cat(ws)
             if form == "mxfp4":
                 return Mxfp4Tensor.cat(ws)
-            return torch.cat([_dense(w) for w in ws])
+            return torch.cat([dense_expert(w) for w in ws])
 
         types = {p.ggml_type for p in parts}
         return LazyExperts(count, sum(p.out_features for p in parts), in_features, read, form,

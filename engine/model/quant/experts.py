@@ -77,8 +77,7 @@ def per_expert(source: ExpertSource, num_experts: Optional[int]) -> Tuple[Iterat
     if isinstance(source, Tensor):
         return iter(source.unbind(0)), source.shape[0]
     if isinstance(source, Affine4Bit):
-        return (Affine4Bit(source.codes[e], source.scale[e], source.offset[e])
-                for e in range(source.codes.shape[0])), source.codes.shape[0]
+        return (source.select(e) for e in range(source.codes.shape[0])), source.codes.shape[0]
     if isinstance(source, Mxfp4Tensor):
         return (source.select(e) for e in range(source.shape[0])), source.shape[0]
     if num_experts is None:

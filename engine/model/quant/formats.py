@@ -38,6 +38,10 @@ class Affine4Bit:
         """The same weights with `fn` (a row permutation or selection) applied to every part."""
         return Affine4Bit(fn(self.codes), fn(self.scale), fn(self.offset))
 
+    def select(self, expert: int) -> "Affine4Bit":
+        """One entry of the leading (expert) dim of a stack [experts, out, in]."""
+        return self.map_rows(lambda t: t[expert])
+
     @staticmethod
     def cat(parts: "list[Affine4Bit]", dim: int = 0) -> "Affine4Bit":
         """Concatenation along output rows (dim 0; dim 1 of stacked experts [E, out, in]), never inputs."""
