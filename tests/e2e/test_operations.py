@@ -42,16 +42,6 @@ def _json_lines(srv: ServerProcess) -> list[dict[str, Any]]:
     return [json.loads(line) for line in srv.log().splitlines() if line.strip()]
 
 
-def _access_records(srv: ServerProcess, request_id: str) -> list[dict[str, Any]]:
-    """The access-log records of one request id, waited for: a record is written once the response has ended."""
-    deadline = time.monotonic() + 5
-    while not (mine := [l for l in _json_lines(srv) if l.get("request_id") == request_id
-                        and l["logger"] == "emberserve.access"]):
-        assert time.monotonic() < deadline, f"no access record for {request_id}"
-        time.sleep(0.05)
-    return mine
-
-
 def test_the_right_key_is_served_and_every_other_answer_is_a_401_envelope(secured: ServerProcess) -> None:
     reply = _client(secured, API_KEY).chat.completions.create(**CHAT)
     assert reply.choices[0].message.content
@@ -164,8 +154,8 @@ def test_request_ids_are_honoured_or_made_and_each_request_logs_one_json_line(se
     assert odd.headers["x-request-id"] != "bad id\twith spaces"
 
     assert httpx.get(f"{secured.base_url}/v1/models", headers={"X-Request-Id": "refused-1"}).status_code == 401
-    mine = _access_records(secured, "trace-42.a")
-    assert _access_records(secured, "refused-1")[0]["status"] == 401
+    mine = secured.access_records(1, request_id="trace-42.a")
+    assert secured.access_records(1, request_id="refused-1")[0]["status"] == 401
     lines = _json_lines(secured)  # every line the server wrote is one JSON object
     assert len(mine) == 1
     line = mine[0]
@@ -184,7 +174,7 @@ def test_streamed_requests_are_logged_when_the_stream_ends(secured: ServerProces
                                             stream_options={"include_usage": True},
                                             extra_headers={"X-Request-Id": "stream-7"})
     usage = [c.usage for c in stream if c.usage is not None][-1]
-    mine = _access_records(secured, "stream-7")
+    mine = secured.access_records(1, request_id="stream-7")
     assert mine[0]["output_tokens"] == usage.completion_tokens == 6
     assert mine[0]["finish_reason"] == "length"
 

@@ -25,7 +25,6 @@ PROMPT = ">>> "
 MAX_TOKENS = 8  # short answers: each costs the shared CPU a few decode steps
 LONG = 2000  # an answer that runs long after Ctrl-C is sent
 STOP_WITHIN_S = 5.0  # generous: a step on a shared 2-core machine can take a while
-LOGGED_WITHIN_S = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -36,20 +35,14 @@ def chat_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
     stop_server(srv)
 
 
-def requests_received(srv: ServerProcess) -> list[dict[str, Any]]:
-    """The server's access-log records of chat completions, in order."""
-    records = [json.loads(line) for line in srv.log().splitlines() if line.startswith("{")]
-    return [r for r in records if r.get("path") == "/v1/chat/completions"]
+def requests_received(srv: ServerProcess, count: int = 0) -> list[dict[str, Any]]:
+    """The server's access-log records of chat completions, in order (at least `count` of them, waited for)."""
+    return srv.access_records(count, path="/v1/chat/completions")
 
 
 def requests_after(srv: ServerProcess, before: int, count: int = 1) -> list[dict[str, Any]]:
-    """The `count` records logged after the first `before`: a record is written once its response has ended, which
-    can be a moment after the chat has shown the whole answer."""
-    deadline = time.monotonic() + LOGGED_WITHIN_S
-    while len(records := requests_received(srv)) < before + count:
-        assert time.monotonic() < deadline, f"{len(records) - before} of {count} requests logged"
-        time.sleep(0.05)
-    return records[before:before + count]
+    """The `count` records logged after the first `before`."""
+    return requests_received(srv, before + count)[before:before + count]
 
 
 def direct_answer(srv: ServerProcess, messages: list[dict[str, str]], **options: Any) -> str:

@@ -1,6 +1,7 @@
 """Starting and stopping a real emberserve process on a free 127.0.0.1 port, for the e2e tests."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -8,6 +9,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -15,6 +17,7 @@ MODEL = "smollm2-135m"
 # The float32 path: dequantized weights, outputs that match the in-process float32 engine bit for bit.
 EXACT = ("--dtype", "float32")
 STARTUP_TIMEOUT_S = 120
+LOGGED_WITHIN_S = 10.0  # how long `ServerProcess.access_records` waits for the records it is asked for
 
 
 def free_port() -> int:
@@ -31,6 +34,20 @@ class ServerProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def access_records(self, count: int = 0, **fields: Any) -> list[dict[str, Any]]:
+        """The access-log records (`--log-format json`) whose `fields` have these values, in order, once there are
+        at least `count` of them (waited for: a record is written once its response has ended, which can be a
+        moment after the client has read the whole response)."""
+        deadline = time.monotonic() + LOGGED_WITHIN_S
+        while True:
+            whole_lines = self.log().rpartition("\n")[0].splitlines()  # not a line still being written
+            records = [r for r in map(json.loads, (line for line in whole_lines if line.startswith("{")))
+                       if r.get("logger") == "emberserve.access" and all(r.get(k) == v for k, v in fields.items())]
+            if len(records) >= count:
+                return records
+            assert time.monotonic() < deadline, f"{len(records)} of {count} access records {fields} logged"
+            time.sleep(0.05)
 
 
 def start_server(tmp: Path, *args: str, wait: bool = True, env: dict[str, str] | None = None,
